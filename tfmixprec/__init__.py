@@ -1,9 +1,37 @@
 """tfmixprec: safe, visible and fast mixed-precision training for Keras 3 on TensorFlow."""
 
 from tfmixprec._version import __version__
+from tfmixprec.audit import AuditReport
+from tfmixprec.audit import Finding
+from tfmixprec.audit import audit
+from tfmixprec.hardware import DoctorReport
+from tfmixprec.hardware import GPUInfo
+from tfmixprec.hardware import HardwareInfo
+from tfmixprec.hardware import detect_hardware
+from tfmixprec.hardware import doctor
 from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.policy import PolicyChange
+from tfmixprec.policy import PolicyChoice
+from tfmixprec.policy import choose_policy
+from tfmixprec.policy import float32_outputs
+from tfmixprec.policy import policy_scope
+from tfmixprec.policy import set_policy
 
 __all__ = [
+    "AuditReport",
+    "DoctorReport",
+    "Finding",
+    "GPUInfo",
+    "HardwareInfo",
     "LossScaleOptimizer",
+    "PolicyChange",
+    "PolicyChoice",
     "__version__",
+    "audit",
+    "choose_policy",
+    "detect_hardware",
+    "doctor",
+    "float32_outputs",
+    "policy_scope",
+    "set_policy",
 ]

@@ -1,0 +1,78 @@
+"""Tests of hardware detection and the doctor report."""
+
+from pathlib import Path
+
+import keras
+import tensorflow as tf
+
+import tfmixprec
+from tfmixprec import GPUInfo, HardwareInfo
+from tfmixprec.hardware import _read_cpuinfo
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile
+"""
+
+
+def test_read_cpuinfo(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text(CPUINFO)
+    name, flags = _read_cpuinfo(path)
+    assert name == "Intel(R) Xeon(R) Platinum 8480+"
+    assert {"avx512_bf16", "amx_bf16", "avx2"} <= flags
+    assert _read_cpuinfo(tmp_path / "missing")[1] == frozenset()
+
+
+def test_detect_hardware_matches_this_machine():
+    hw = tfmixprec.detect_hardware()
+    assert len(hw.gpus) == len(tf.config.list_physical_devices("GPU"))
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = _read_cpuinfo(cpuinfo)[1]
+        assert hw.cpu_bfloat16 == bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+def test_gpu_info_tensor_cores():
+    assert GPUInfo("V100", (7, 0)).tensor_cores and not GPUInfo("V100", (7, 0)).bfloat16
+    assert GPUInfo("A100", (8, 0)).bfloat16
+    assert not GPUInfo("P100", (6, 0)).tensor_cores
+    assert not GPUInfo("unknown").tensor_cores
+    assert GPUInfo("T4", (7, 5)).describe() == "T4 (compute capability 7.5, Tensor Cores)"
+
+
+def test_doctor_report_prints_and_warns(capsys):
+    hw = HardwareInfo(cpu_name="Test CPU", cpu_flags=frozenset({"amx_bf16"}))
+    keras.config.set_dtype_policy("mixed_float16")
+    report = tfmixprec.doctor(hw)
+    out = capsys.readouterr().out
+    assert report.recommended_policy == "mixed_bfloat16"
+    assert report.current_policy == "mixed_float16"
+    assert len(report.warnings) == 1
+    assert "no GPU: float16 math on a CPU is 16-70x slower" in report.warnings[0]
+    assert f"TensorFlow        {tf.__version__}" in out
+    assert "CPU bfloat16      yes (AVX512_BF16: no, AMX_BF16: yes)" in out
+    assert "GPUs              none" in out
+    assert "recommended       mixed_bfloat16: no GPU" in out
+    assert "WARNING: the global policy is mixed_float16 but there is no GPU" in out
+    data = report.to_dict()
+    assert data["hardware"]["cpu_flags"] == ["amx_bf16"]
+
+
+def test_doctor_gpus_and_no_warning(capsys):
+    hw = HardwareInfo(gpus=(GPUInfo("Tesla T4", (7, 5)),))
+    keras.config.set_dtype_policy("mixed_float16")
+    report = tfmixprec.doctor(hw, print_report=False)
+    assert capsys.readouterr().out == ""
+    assert report.warnings == []
+    assert report.recommended_policy == "mixed_float16"
+    assert "GPU 0             Tesla T4 (compute capability 7.5, Tensor Cores)" in str(report)
+    assert report.to_dict()["hardware"]["gpus"][0]["tensor_cores"] is True
+
+
+def test_doctor_warns_bfloat16_without_cpu_support():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    report = tfmixprec.doctor(HardwareInfo(), print_report=False)
+    assert report.recommended_policy == "float32"
+    assert "bfloat16 is emulated" in report.warnings[0]

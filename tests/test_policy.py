@@ -1,0 +1,196 @@
+"""Tests of the policy helper: set/choose policies and float32 outputs."""
+
+import keras
+import numpy as np
+import pytest
+
+import tfmixprec
+from tfmixprec import GPUInfo, HardwareInfo
+
+V100 = GPUInfo("Tesla V100-SXM2-16GB", (7, 0))
+T4 = GPUInfo("Tesla T4", (7, 5))
+A100 = GPUInfo("NVIDIA A100-SXM4-40GB", (8, 0))
+H100 = GPUInfo("NVIDIA H100 80GB HBM3", (9, 0))
+P100 = GPUInfo("Tesla P100-PCIE-16GB", (6, 0))
+AMX_CPU = HardwareInfo(cpu_name="Xeon SPR", cpu_flags=frozenset({"avx512f", "amx_bf16"}))
+
+
+@pytest.mark.parametrize(
+    "hardware, expected, reason_part",
+    [
+        (HardwareInfo(gpus=(V100,)), "mixed_float16", "compute capability 7.0"),
+        (HardwareInfo(gpus=(T4,)), "mixed_float16", "compute capability 7.5"),
+        (HardwareInfo(gpus=(A100,)), "mixed_bfloat16", "8.0 (>= 8.0)"),
+        (HardwareInfo(gpus=(H100, H100)), "mixed_bfloat16", "9.0"),
+        (HardwareInfo(gpus=(A100, V100)), "mixed_float16", "7.0"),  # weakest decides
+        (HardwareInfo(gpus=(P100,)), "float32", "no Tensor Cores"),
+        (HardwareInfo(gpus=(GPUInfo("Mystery GPU"),)), "float32", "unknown compute"),
+        (HardwareInfo(tpus=8), "mixed_bfloat16", "TPU"),
+        (AMX_CPU, "mixed_bfloat16", "AMX_BF16"),
+        (HardwareInfo(cpu_flags=frozenset({"avx512_bf16"})), "mixed_bfloat16", "AVX512_BF16"),
+        (HardwareInfo(cpu_flags=frozenset({"avx2", "avx512f"})), "float32", "no CPU bfloat16"),
+        (HardwareInfo(), "float32", "no GPU"),
+    ],
+)
+def test_choose_policy(hardware, expected, reason_part):
+    choice = tfmixprec.choose_policy(hardware)
+    assert choice.name == expected
+    assert reason_part in choice.reason
+    assert choice.reason.endswith(".")
+
+
+def test_set_policy_names_and_auto():
+    for name in ("mixed_float16", "mixed_bfloat16", "float32"):
+        policy = tfmixprec.set_policy(name)
+        assert isinstance(policy, keras.DTypePolicy)
+        assert policy.name == name == keras.config.dtype_policy().name
+    assert tfmixprec.set_policy("auto", HardwareInfo(gpus=(T4,))).name == "mixed_float16"
+    assert tfmixprec.set_policy("auto", HardwareInfo()).name == "float32"
+
+
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        ("mixed_flaot16", ValueError, r"Did you mean 'mixed_float16'\?.*'mixed_flaot16'"),
+        ("bfloat16", ValueError, r"Did you mean 'mixed_bfloat16'\?"),
+        ("fp32", ValueError, r"Valid names: mixed_float16, mixed_bfloat16, float32, auto"),
+        (16, TypeError, r"policy must be a policy name.*name=16 of type int"),
+    ],
+)
+def test_bad_policy_names_change_nothing(bad, exc, match):
+    tfmixprec.set_policy("mixed_bfloat16")
+    with pytest.raises(exc, match=match):
+        tfmixprec.set_policy(bad)
+    with pytest.raises(exc, match=match):
+        with tfmixprec.policy_scope(bad):
+            pass
+    assert keras.config.dtype_policy().name == "mixed_bfloat16"
+
+
+def test_policy_scope_restores_also_on_error():
+    tfmixprec.set_policy("float32")
+    with tfmixprec.policy_scope("mixed_float16") as policy:
+        assert policy.name == keras.config.dtype_policy().name == "mixed_float16"
+    assert keras.config.dtype_policy().name == "float32"
+    with pytest.raises(RuntimeError, match="boom"):
+        with tfmixprec.policy_scope("mixed_bfloat16"):
+            raise RuntimeError("boom")
+    assert keras.config.dtype_policy().name == "float32"
+
+
+# ------------------------------------------------------------------ float32_outputs
+def _weights(model):
+    return [w.numpy().copy() for w in model.weights]
+
+
+def _check_outputs(model, x, expected_changes):
+    before = _weights(model)
+    y16 = keras.tree.map_structure(lambda t: np.asarray(t, "float32"), model.predict(x, verbose=0))
+    changes = tfmixprec.float32_outputs(model)
+    assert [(c.layer, c.old, c.new) for c in changes] == expected_changes
+    for a, b in zip(before, _weights(model)):
+        assert a.tobytes() == b.tobytes()  # no weight value changed
+    y32 = model.predict(x, verbose=0)
+    for a, b in zip(keras.tree.flatten(y16), keras.tree.flatten(y32)):
+        assert b.dtype == np.float32
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)  # float16 rounding only
+    assert tfmixprec.float32_outputs(model) == []  # idempotent
+    return changes
+
+
+def test_float32_outputs_sequential():
+    tfmixprec.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.Dense(8, activation="sigmoid", name="gate"),
+            keras.layers.Dense(4, name="logits"),
+            keras.layers.Softmax(name="probs"),
+        ]
+    )
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    changes = _check_outputs(
+        model,
+        x,
+        [
+            ("probs", "mixed_float16", "float32"),
+            ("gate", "mixed_float16", "float32"),
+        ],
+    )
+    assert changes[0].why == "produces a model output; Softmax layer"
+    assert changes[1].why == "sigmoid activation"
+    assert model.get_layer("hidden").dtype_policy.name == "mixed_float16"
+    assert model.get_layer("logits").dtype_policy.name == "mixed_float16"
+
+
+def test_float32_outputs_functional_multi_output_with_nested_model():
+    tfmixprec.set_policy("mixed_float16")
+    keras.utils.set_random_seed(1)
+    inner = keras.Sequential([keras.Input((16,)), keras.layers.Dense(2, name="inner_out")])
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(16, activation="relu", name="trunk")(inputs)
+    out_a = keras.layers.Dense(3, name="head_a")(hidden)
+    out_b = keras.layers.Dense(1, activation="log_softmax", name="head_b")(hidden)
+    out_c = inner(hidden)
+    model = keras.Model(inputs, [out_a, out_b, out_c])
+    x = np.random.default_rng(1).normal(size=(5, 6)).astype("float32")
+    _check_outputs(
+        model,
+        x,
+        [
+            ("head_a", "mixed_float16", "float32"),
+            ("head_b", "mixed_float16", "float32"),
+            ("inner_out", "mixed_float16", "float32"),
+        ],
+    )
+    assert model.get_layer("trunk").dtype_policy.name == "mixed_float16"
+
+
+class TwoHeads(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.body = keras.layers.Dense(8, activation="relu", name="body")
+        self.attention = keras.layers.Dense(8, activation="softmax", name="attention")
+        self.gate = keras.layers.Multiply(name="gate")  # autocasts its inputs
+        self.head = keras.layers.Dense(2, name="head")
+
+    def call(self, x):
+        h = self.body(x)
+        return self.head(self.gate([h, self.attention(h)]))
+
+
+def test_float32_outputs_subclassed():
+    tfmixprec.set_policy("mixed_float16")
+    keras.utils.set_random_seed(2)
+    model = TwoHeads()
+    x = np.random.default_rng(2).normal(size=(3, 4)).astype("float32")
+    model(x)
+    _check_outputs(
+        model,
+        x,
+        [("head", "mixed_float16", "float32"), ("attention", "mixed_float16", "float32")],
+    )
+
+
+def test_float32_outputs_bfloat16_and_float32_models():
+    tfmixprec.set_policy("mixed_bfloat16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="out")])
+    changes = tfmixprec.float32_outputs(model)
+    assert [(c.layer, c.old) for c in changes] == [("out", "mixed_bfloat16")]
+    tfmixprec.set_policy("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation="softmax")])
+    assert tfmixprec.float32_outputs(model) == []
+
+
+def test_float32_outputs_bad_input_changes_nothing():
+    tfmixprec.set_policy("mixed_float16")
+    with pytest.raises(TypeError, match=r"expects a keras.Model.*builtins.str"):
+        tfmixprec.float32_outputs("model.keras")
+    with pytest.raises(TypeError, match=r"keras.src.layers.core.dense.Dense"):
+        tfmixprec.float32_outputs(keras.layers.Dense(3))
+    unbuilt = keras.Sequential([keras.layers.Dense(3, activation="softmax")], name="lazy")
+    with pytest.raises(ValueError, match=r"Model 'lazy' is not built.*model.build\(input_shape\)"):
+        tfmixprec.float32_outputs(unbuilt)
+    assert unbuilt.layers[0].dtype_policy.name == "mixed_float16"
