@@ -16,6 +16,11 @@ from tfmixprec.policy import choose_policy
 from tfmixprec.policy import float32_outputs
 from tfmixprec.policy import policy_scope
 from tfmixprec.policy import set_policy
+from tfmixprec.training import MixedPrecisionFunctional
+from tfmixprec.training import MixedPrecisionMixin
+from tfmixprec.training import MixedPrecisionModel
+from tfmixprec.training import compute_unscaled_gradients
+from tfmixprec.training import make_train_step
 
 __all__ = [
     "AuditReport",
@@ -24,14 +29,19 @@ __all__ = [
     "GPUInfo",
     "HardwareInfo",
     "LossScaleOptimizer",
+    "MixedPrecisionFunctional",
+    "MixedPrecisionMixin",
+    "MixedPrecisionModel",
     "PolicyChange",
     "PolicyChoice",
     "__version__",
     "audit",
     "choose_policy",
+    "compute_unscaled_gradients",
     "detect_hardware",
     "doctor",
     "float32_outputs",
+    "make_train_step",
     "policy_scope",
     "set_policy",
 ]

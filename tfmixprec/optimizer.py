@@ -167,6 +167,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `min_scale`: `"warn"` (one Python warning), `"raise"` (`FloatingPointError`
             naming the step) or `"ignore"`. Checked outside the graph: after each eager
             step, at the end of `fit`, or when `check_min_scale()` is called.
+        accumulation_steps: Int >= 1. Gradients of this many calls to `apply` (micro-batches)
+            are summed, unscaled, in float32 and their mean is applied once; an overflow in
+            any micro-batch discards the whole window and backs the scale off once. The
+            learning-rate schedule sees one step per applied window. Not supported under a
+            multi-replica `tf.distribute` strategy.
         name: String. The optimizer's name.
         dynamic_growth_steps: Int. Keras's name for `growth_interval`.
         loss_scale: `"dynamic"` or a number. TensorFlow 2's argument: a number is a fixed
@@ -194,6 +199,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         hysteresis: int = 1,
         dynamic: bool | None = None,
         on_min_scale: str = "warn",
+        accumulation_steps: int = 1,
         name: str | None = None,
         *,
         dynamic_growth_steps: int | None = None,
@@ -217,6 +223,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         initial_scale = _check_positive_finite("initial_scale", initial_scale)
         growth_interval = _check_int_at_least_one("growth_interval", growth_interval)
         hysteresis = _check_int_at_least_one("hysteresis", hysteresis)
+        accumulation_steps = _check_int_at_least_one("accumulation_steps", accumulation_steps)
         if not _is_number(growth_factor) or not (1 < growth_factor < math.inf):
             raise ValueError(
                 f"growth_factor must be a finite number > 1. Received: "
@@ -263,6 +270,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.hysteresis = hysteresis
         self.dynamic = dynamic
         self.on_min_scale = on_min_scale
+        self.accumulation_steps = accumulation_steps
         self._min_scale_reported = False
 
     # ------------------------------------------------------------------ state
@@ -293,6 +301,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._last_overflow_iteration = state("last_overflow_iteration", "int", -1)
         self._step_applied = state("step_applied", "int", 0)
         self._min_scale_overflow_iteration = state("min_scale_overflow_iteration", "int", -1)
+        if self.accumulation_steps > 1:
+            self._micro_step = state("micro_step", "int", 0)
+            self._window_finite = state("window_finite", "int", 1)
+            self._accumulators = [
+                self.add_variable(
+                    shape=v.shape,
+                    dtype="float32",
+                    initializer="zeros",
+                    aggregation="only_first_replica",
+                    name="accumulated_gradient",
+                )
+                for v in var_list
+            ]
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
@@ -418,9 +439,58 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grads = list(grads)
         tvs = self._trainable_variables if trainable_variables is None else trainable_variables
         grads = self._unscale_for_apply(grads, list(tvs))
-        super().apply(grads, trainable_variables)
+        if self.accumulation_steps > 1:
+            self._accumulate(grads, list(tvs))
+        else:
+            super().apply(grads, trainable_variables)
         if tf.executing_eagerly() and not tf.distribute.has_strategy():
             self.check_min_scale()
+
+    def _accumulate(self, grads: list[Any], trainable_variables: list[Any]) -> None:
+        strategy = tf.distribute.get_strategy()
+        if strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "accumulation_steps > 1 is not supported under a tf.distribute strategy with "
+                f"{strategy.num_replicas_in_sync} replicas yet. Use accumulation_steps=1 and a "
+                f"larger global batch instead. Received: "
+                f"accumulation_steps={self.accumulation_steps!r}"
+            )
+        finite = self.check_finite(grads)
+        accumulators = [
+            self._accumulators[self._get_variable_index(v)] for v in trainable_variables
+        ]
+        for acc, grad in zip(accumulators, grads):
+            if grad is None:
+                continue
+            if isinstance(grad, tf.IndexedSlices):
+                values = tf.where(finite, tf.cast(grad.values, tf.float32), 0.0)
+                acc.value.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
+            else:
+                acc.assign_add(tf.where(finite, tf.cast(grad, tf.float32), 0.0))
+        self._window_finite.assign(ops.where(finite, self._window_finite, 0))
+        self._micro_step.assign_add(1)
+
+        def end_of_window() -> None:
+            window_ok = ops.equal(self._window_finite, 1)
+            steps = float(self.accumulation_steps)
+            final = [
+                None if g is None else ops.cast(acc / steps, v.dtype)
+                for acc, g, v in zip(accumulators, grads, trainable_variables)
+            ]
+            # A bad window reaches the one finite check as a NaN: skipped, backed off once.
+            first = next(i for i, g in enumerate(final) if g is not None)
+            final[first] = ops.where(window_ok, final[first], float("nan"))
+            keras.optimizers.LossScaleOptimizer.apply(self, final, trainable_variables)
+            for acc in accumulators:
+                acc.assign(ops.zeros_like(acc))
+            self._micro_step.assign(0)
+            self._window_finite.assign(1)
+
+        ops.cond(
+            ops.greater_equal(self._micro_step, self.accumulation_steps),
+            end_of_window,
+            lambda: None,
+        )
 
     def check_finite(self, grads: Sequence[Any]) -> tf.Tensor:
         """Returns a scalar bool: True if every gradient is finite on every replica.
@@ -530,6 +600,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "hysteresis": self.hysteresis,
             "dynamic": self.dynamic,
             "on_min_scale": self.on_min_scale,
+            "accumulation_steps": self.accumulation_steps,
         }
 
     @classmethod

@@ -1,0 +1,464 @@
+"""Tests of the mixed-precision train_step, gradient accumulation and custom-loop helpers."""
+
+import csv
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmixprec
+from tfmixprec import LossScaleOptimizer, MixedPrecisionModel
+
+
+def _data(n=32, features=4, outputs=2, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, features)).astype("float32")
+    y = rng.normal(size=(n, outputs)).astype("float32")
+    return x, y
+
+
+def _functional(cls=MixedPrecisionModel, width=8, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(width, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(2, dtype="float32", name="out")(hidden)
+    return cls(inputs, outputs)
+
+
+def _weights(model):
+    return [w.numpy().copy() for w in model.weights]
+
+
+def _same_bits(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        assert u.tobytes() == v.tobytes()
+
+
+def _reference_loop(policy, x, y, batch, epochs, optimizer):
+    """A plain GradientTape loop with no loss scaling, under `policy`."""
+    tfmixprec.set_policy(policy)
+    model = _functional(cls=keras.Model)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+
+    for _ in range(epochs):
+        for start in range(0, len(x), batch):
+            step(x[start : start + batch], y[start : start + batch])
+    return _weights(model)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_fit_matches_reference_loop(policy):
+    x, y = _data()
+    reference = _reference_loop(policy, x, y, 8, 2, keras.optimizers.Adam(0.01))
+    tfmixprec.set_policy(policy)
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    assert isinstance(model.optimizer, LossScaleOptimizer)
+    assert model.optimizer.dynamic is False and float(model.optimizer.loss_scale) == 1.0
+    for a, b in zip(reference, _weights(model)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_mixed_bfloat16_close_to_float32_reference():
+    x, y = _data()
+    reference = _reference_loop("float32", x, y, 8, 2, keras.optimizers.SGD(0.05))
+    tfmixprec.set_policy("mixed_bfloat16")
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    for a, b in zip(reference, _weights(model)):
+        np.testing.assert_allclose(a, b, atol=2e-2)  # bfloat16 keeps 8 mantissa bits
+
+
+def test_inf_batch_is_skipped_and_next_applied():
+    tfmixprec.set_policy("mixed_float16")
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    x, y = _data(8)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    before = _weights(model) + [v.numpy().copy() for v in model.optimizer.inner_optimizer.variables]
+    x_bad = x.copy()
+    x_bad[2, 3] = np.inf
+    history = model.fit(x_bad, y, batch_size=8, epochs=1, verbose=0)
+    after = _weights(model) + [v.numpy().copy() for v in model.optimizer.inner_optimizer.variables]
+    _same_bits(before, after)
+    assert history.history["overflow"] == [1.0]
+    assert history.history["loss_scale"] == [2.0**14]
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert history.history["overflow"] == [0.0]
+    assert not np.array_equal(before[0], model.weights[0].numpy())
+    assert int(model.optimizer.iterations.numpy()) == 2
+
+
+def test_logs_in_history_and_csv_logger(tmp_path):
+    model = _functional()
+    model.compile(optimizer="sgd", loss="mse", loss_scaling="dynamic")
+    x, y = _data(16)
+    path = tmp_path / "log.csv"
+    history = model.fit(
+        x, y, batch_size=8, epochs=2, verbose=0, callbacks=[keras.callbacks.CSVLogger(str(path))]
+    )
+    assert history.history["loss_scale"] == [32768.0, 32768.0]
+    assert history.history["overflow"] == [0.0, 0.0]
+    rows = list(csv.DictReader(path.open()))
+    assert [float(r["loss_scale"]) for r in rows] == [32768.0, 32768.0]
+    assert [float(r["overflow"]) for r in rows] == [0.0, 0.0]
+
+
+def test_clipping_happens_after_unscaling():
+    x, y = _data(16)
+    reference = _reference_loop("float32", x, y, 16, 3, keras.optimizers.SGD(0.5, clipnorm=1.0))
+    tfmixprec.set_policy("float32")
+    model = _functional()
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.5, clipnorm=1.0), initial_scale=2.0**15)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+    for a, b in zip(reference, _weights(model)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # The gradient norm really exceeded 1, so the clip mattered.
+    unclipped = _reference_loop("float32", x, y, 16, 3, keras.optimizers.SGD(0.5))
+    assert not np.allclose(unclipped[0], reference[0], atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "compile_kwargs",
+    [
+        dict(jit_compile=True),
+        dict(steps_per_execution=2),
+        dict(jit_compile=False, run_eagerly=True),
+    ],
+)
+def test_multi_output_sample_weights_validation(compile_kwargs):
+    tfmixprec.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    reg = keras.layers.Dense(1, dtype="float32", name="reg")(hidden)
+    cls = keras.layers.Dense(3, activation="softmax", dtype="float32", name="cls")(hidden)
+    model = MixedPrecisionModel(inputs, {"reg": reg, "cls": cls})
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss={"reg": "mse", "cls": "sparse_categorical_crossentropy"},
+        loss_weights={"reg": 1.0, "cls": 0.5},
+        metrics={"cls": ["accuracy"]},
+        **compile_kwargs,
+    )
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = {"reg": rng.normal(size=(16, 1)).astype("float32"), "cls": rng.integers(0, 3, size=(16,))}
+    sample_weight = {"reg": np.linspace(0.5, 1.5, 16), "cls": np.ones(16)}
+    before = _weights(model)
+    validation = (x[:8].copy(), {"reg": y["reg"][:8], "cls": y["cls"][:8]})
+    x[5, 0] = np.nan  # the first batch overflows
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        shuffle=False,
+        validation_data=validation,
+    )
+    logs = history.history
+    assert logs["overflow"] == [0.0]  # last batch clean
+    assert int(model.optimizer.overflow_steps.numpy()) == 1
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert logs["loss_scale"] == [2.0**14]
+    assert {"loss", "cls_accuracy", "val_loss", "val_cls_accuracy"} <= set(logs)
+    assert np.isfinite(logs["val_loss"][0])
+    assert not np.array_equal(before[0], model.weights[0].numpy())
+    assert all(np.isfinite(w).all() for w in _weights(model))
+
+
+def test_compile_wrapping_rules():
+    tfmixprec.set_policy("mixed_float16")
+    model = _functional()
+    model.compile(optimizer="adam", loss="mse")
+    assert type(model.optimizer) is LossScaleOptimizer and model.optimizer.dynamic
+    assert isinstance(model.optimizer.inner_optimizer, keras.optimizers.Adam)
+    keras_lso = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(), initial_scale=64, dynamic_growth_steps=9
+    )
+    model.compile(optimizer=keras_lso, loss="mse")
+    assert type(model.optimizer) is LossScaleOptimizer
+    assert model.optimizer.inner_optimizer is keras_lso.inner_optimizer
+    assert (model.optimizer.initial_scale, model.optimizer.growth_interval) == (64, 9)
+    ours = LossScaleOptimizer(keras.optimizers.SGD())
+    model.compile(optimizer=ours, loss="mse")
+    assert model.optimizer is ours
+    model.compile(optimizer="sgd", loss="mse", loss_scaling="none")
+    assert model.optimizer.dynamic is False and model.optimizer.initial_scale == 1.0
+
+
+def test_compile_bad_input():
+    model = _functional()
+    with pytest.raises(ValueError, match=r"loss_scaling must be one of.*'always'"):
+        model.compile(optimizer="sgd", loss="mse", loss_scaling="always")
+    with pytest.raises(ValueError, match=r"accumulation_steps must be an integer >= 1.*=0"):
+        model.compile(optimizer="sgd", loss="mse", accumulation_steps=0)
+    used = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    used.build(model.trainable_variables)
+    with pytest.raises(ValueError, match="already been used"):
+        model.compile(optimizer=used, loss="mse")
+    assert getattr(model, "optimizer", None) is None  # nothing half-changed
+
+
+class SubclassedNet(MixedPrecisionModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(2, dtype="float32")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+class MixinNet(tfmixprec.MixedPrecisionMixin, keras.Sequential):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["subclassed", "mixin"])
+def test_subclassed_and_mixin(kind):
+    tfmixprec.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    if kind == "subclassed":
+        model = SubclassedNet()
+    else:
+        model = MixinNet(
+            [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2, dtype="float32")]
+        )
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = _data(8)
+    x[0, 0] = np.inf
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert history.history["overflow"] == [1.0]
+    assert isinstance(model.optimizer, LossScaleOptimizer)
+
+
+def test_keras_file_round_trip(tmp_path):
+    tfmixprec.set_policy("mixed_float16")
+    model = _functional()
+    model.compile(
+        optimizer=LossScaleOptimizer(keras.optimizers.Adam(), initial_scale=64), loss="mse"
+    )
+    x, y = _data(8)
+    bad = x.copy()
+    bad[0, 0] = np.inf
+    model.fit(bad, y, batch_size=8, verbose=0)
+    model.fit(x, y, batch_size=8, verbose=0)
+    path = tmp_path / "mp.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded) is tfmixprec.MixedPrecisionFunctional
+    assert isinstance(loaded, MixedPrecisionModel)
+    assert float(loaded.optimizer.loss_scale.numpy()) == 32.0
+    assert int(loaded.optimizer.overflow_steps.numpy()) == 1
+    _same_bits(_weights(model), _weights(loaded))
+    history = loaded.fit(x, y, batch_size=8, verbose=0)
+    assert history.history["loss_scale"] == [32.0]
+
+
+# ----------------------------------------------------------------- accumulation
+def test_accumulation_equals_one_big_batch():
+    x, y = _data(16)
+    tfmixprec.set_policy("float32")
+    big = _functional()
+    big.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    big.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+    small = _functional()
+    small.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulation_steps=4)
+    small.fit(x, y, batch_size=4, epochs=3, verbose=0, shuffle=False)
+    for a, b in zip(_weights(big), _weights(small)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(small.optimizer.iterations.numpy()) == 3  # one step per window
+
+
+def test_accumulation_overflow_discards_window_and_backs_off_once():
+    tfmixprec.set_policy("float32")
+    model = _functional()
+    model.compile(
+        optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8),
+        loss="mse",
+        accumulation_steps=4,
+    )
+    x, y = _data(16)
+    before = _weights(model)
+    x_bad = x.copy()
+    x_bad[5, 1] = np.inf  # micro-batch 2 of 4
+    history = model.fit(x_bad, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    _same_bits(before, _weights(model))
+    assert float(model.optimizer.loss_scale.numpy()) == 4.0  # once, not per micro-batch
+    assert int(model.optimizer.overflow_steps.numpy()) == 1
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert history.history["overflow"] == [1.0]  # reported at the window's last batch
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)  # clean window applies
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert not np.array_equal(before[0], model.weights[0].numpy())
+
+
+def test_accumulation_with_learning_rate_schedule():
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([1], [0.1, 0.0])
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse", accumulation_steps=2)
+    x, y = _data(8)
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, shuffle=False)  # 2 windows
+    after_two = _weights(model)
+    # The schedule saw 2 steps (not 4 micro-batches): lr is now 0 and nothing moves.
+    assert int(model.optimizer.iterations.numpy()) == 2
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, shuffle=False)
+    _same_bits(after_two, _weights(model))
+
+
+# ------------------------------------------------------------------- distribution
+def test_mirrored_strategy_one_replica_overflow(two_cpu_strategy):
+    tfmixprec.set_policy("float32")
+    with two_cpu_strategy.scope():
+        model = _functional()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", loss_scaling="dynamic")
+    x, y = _data(16)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    before = _weights(model)
+    x_bad = x.copy()
+    x_bad[15, 0] = np.inf  # replica 1's shard only
+    history = model.fit(x_bad, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert history.history["overflow"] == [1.0]
+    _same_bits(before, _weights(model))
+    for var in model.weights:
+        copies = [t.numpy() for t in var.value.values]
+        _same_bits(copies[:1], copies[1:])
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert history.history["overflow"] == [0.0]
+    assert int(model.optimizer.iterations.numpy()) == 2
+
+
+def test_accumulation_under_mirrored_strategy_is_refused(two_cpu_strategy):
+    with two_cpu_strategy.scope():
+        model = _functional()
+        model.compile(optimizer="sgd", loss="mse", accumulation_steps=2)
+    x, y = _data(16)
+    with pytest.raises(ValueError, match=r"not supported under a tf.distribute strategy"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+# ------------------------------------------------------------------ custom loops
+def _tiny_loss_model():
+    """A float16 model whose gradients (loss * 1e-9) are below 2^-24: they flush to zero."""
+    tfmixprec.set_policy("mixed_float16")
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)])
+    x, y = _data(8)
+    return model, x, y
+
+
+def _tiny_loss(y_true, y_pred):
+    return 1e-9 * tf.reduce_mean(tf.square(y_true - tf.cast(y_pred, tf.float32)))
+
+
+def test_make_train_step_trains_where_plain_float16_does_not():
+    model, x, y = _tiny_loss_model()
+    before = _weights(model)
+    plain = keras.optimizers.SGD(1e6)
+
+    @tf.function
+    def plain_step():
+        with tf.GradientTape() as tape:
+            loss = _tiny_loss(y, model(x, training=True))
+        plain.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+    for _ in range(3):
+        plain_step()
+    _same_bits(before, _weights(model))  # every gradient flushed to zero in float16
+
+    step = tfmixprec.make_train_step(model, _tiny_loss, keras.optimizers.SGD(1e6))
+    assert step.optimizer.dynamic is True
+    for _ in range(3):
+        logs = step(x, y)
+    assert set(logs) == {"loss", "loss_scale", "overflow"}
+    assert float(logs["overflow"]) == 0.0 and float(logs["loss_scale"]) == 2.0**15
+    assert not np.array_equal(before[0], model.weights[0].numpy())
+    assert all(np.isfinite(w).all() for w in _weights(model))
+
+
+def test_compute_unscaled_gradients_and_tf2_api_in_custom_loop():
+    for style in ("helper", "tf2"):
+        model, x, y = _tiny_loss_model()
+        before = _weights(model)
+        opt = LossScaleOptimizer(keras.optimizers.SGD(1e6))
+
+        @tf.function
+        def train(xb, yb, style=style, model=model, opt=opt):
+            with tf.GradientTape() as tape:
+                loss = _tiny_loss(yb, model(xb, training=True))
+                scaled = opt.get_scaled_loss(loss)
+            if style == "helper":
+                grads, finite = tfmixprec.compute_unscaled_gradients(
+                    tape, loss, model.trainable_variables, opt
+                )
+            else:
+                grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+                finite = tf.constant(True)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return finite
+
+        assert bool(train(x, y))
+        train(x, y)
+        assert int(opt.iterations.numpy()) == 2
+        assert not np.array_equal(before[0], model.weights[0].numpy()), style
+        x_bad = x.copy()
+        x_bad[0, 0] = np.inf
+        middle = _weights(model)
+        finite = train(x_bad, y)
+        _same_bits(middle, _weights(model))
+        assert int(opt.overflow_steps.numpy()) == 1
+        if style == "helper":
+            assert not bool(finite)
+
+
+def test_custom_loop_helpers_bad_input():
+    model, x, y = _tiny_loss_model()
+    with pytest.raises(TypeError, match=r"model must be a keras.Model.*str"):
+        tfmixprec.make_train_step("model", _tiny_loss, "sgd")
+    with pytest.raises(TypeError, match=r"loss_fn must be callable.*'mse!'"):
+        tfmixprec.make_train_step(model, "mse!", "sgd")
+    with tf.GradientTape() as tape:
+        loss = _tiny_loss(y, model(x))
+    with pytest.raises(TypeError, match=r"tfmixprec.LossScaleOptimizer.*type SGD"):
+        tfmixprec.compute_unscaled_gradients(
+            tape, loss, model.trainable_variables, keras.optimizers.SGD()
+        )
+
+
+def test_functional_and_subclassed_uses_do_not_interfere():
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2)(inputs)
+    functional = MixedPrecisionModel(inputs, outputs)
+    assert isinstance(functional, tfmixprec.MixedPrecisionFunctional)
+    assert MixedPrecisionModel.__bases__ == (tfmixprec.MixedPrecisionMixin, keras.Model)
+    assert SubclassedNet()(np.ones((1, 4), "float32")).shape == (1, 2)
+
+    class Misused(MixedPrecisionModel):
+        pass
+
+    with pytest.raises(
+        TypeError, match=r"Misused is a subclass of MixedPrecisionModel.*Functional"
+    ):
+        Misused(inputs, outputs)
+    assert MixedPrecisionModel.__bases__ == (tfmixprec.MixedPrecisionMixin, keras.Model)
+
+    class Named(tfmixprec.MixedPrecisionFunctional):
+        def describe(self):
+            return f"{self.name} has {len(self.layers)} layers"
+
+    named = Named(inputs, outputs, name="n")
+    assert named.describe() == "n has 2 layers"

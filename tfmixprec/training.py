@@ -1,0 +1,343 @@
+"""The mixed-precision `train_step` for `model.fit`, and helpers for GradientTape loops.
+
+The step: forward pass under the model's policy, loss in float32, gradients of the scaled loss,
+unscaled in float32, one finite check, clipping (the inner optimizer's) after unscaling, then
+apply or skip through the optimizer's state machine. The logs gain `loss_scale` and `overflow`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+from keras import ops
+from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
+
+from tfmixprec.optimizer import LossScaleOptimizer
+
+__all__ = [
+    "MixedPrecisionMixin",
+    "MixedPrecisionModel",
+    "MixedPrecisionFunctional",
+    "ensure_loss_scale_optimizer",
+    "compute_unscaled_gradients",
+    "make_train_step",
+]
+
+LOSS_SCALING = ("auto", "dynamic", "none")
+
+
+def _computes_in_float16(model: Any) -> bool:
+    if model.dtype_policy.compute_dtype == "float16":
+        return True
+    return any(
+        layer.dtype_policy.compute_dtype == "float16"
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+    )
+
+
+def ensure_loss_scale_optimizer(
+    optimizer: Any,
+    float16: bool,
+    loss_scaling: str = "auto",
+    accumulation_steps: int = 1,
+) -> LossScaleOptimizer:
+    """Returns a tfmixprec `LossScaleOptimizer` for `optimizer`, never wrapping twice.
+
+    A tfmixprec optimizer is returned as it is. Keras's own (unbuilt) `LossScaleOptimizer` is
+    replaced by a tfmixprec one with the same inner optimizer and settings. Anything else is
+    wrapped: with a dynamic scale for float16 (`loss_scaling="auto"` or `"dynamic"`), and with
+    a fixed scale of 1 otherwise (no scaling, but Inf/NaN steps are still skipped and counted).
+
+    Args:
+        optimizer: `keras.optimizers.Optimizer` or its name.
+        float16: Bool. Whether the model computes in float16.
+        loss_scaling: String. `"auto"`, `"dynamic"` (also for bfloat16/float32) or `"none"`
+            (a fixed scale of 1 even for float16).
+        accumulation_steps: Int. Passed to a new wrapper; must match an existing one.
+
+    Returns:
+        A `tfmixprec.LossScaleOptimizer`.
+    """
+    if loss_scaling not in LOSS_SCALING:
+        raise ValueError(
+            f"loss_scaling must be one of {list(LOSS_SCALING)}. "
+            f"Received: loss_scaling={loss_scaling!r}"
+        )
+    if isinstance(optimizer, LossScaleOptimizer):
+        if accumulation_steps != 1 and optimizer.accumulation_steps == 1 and not optimizer.built:
+            optimizer.accumulation_steps = accumulation_steps
+        elif accumulation_steps != 1 and optimizer.accumulation_steps != accumulation_steps:
+            raise ValueError(
+                f"The optimizer already has accumulation_steps={optimizer.accumulation_steps}; "
+                "set it on the optimizer or here, not both differently. Received: "
+                f"accumulation_steps={accumulation_steps!r}"
+            )
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if optimizer.built:
+            raise ValueError(
+                "Received a Keras LossScaleOptimizer that has already been used (its scale "
+                "state exists). Pass its inner optimizer, or a tfmixprec.LossScaleOptimizer. "
+                f"Received: optimizer={optimizer!r}"
+            )
+        return LossScaleOptimizer(
+            optimizer.inner_optimizer,
+            initial_scale=optimizer.initial_scale,
+            growth_interval=optimizer.dynamic_growth_steps,
+            accumulation_steps=accumulation_steps,
+        )
+    dynamic = loss_scaling == "dynamic" or (loss_scaling == "auto" and float16)
+    if dynamic:
+        return LossScaleOptimizer(optimizer, accumulation_steps=accumulation_steps)
+    return LossScaleOptimizer(
+        optimizer,
+        initial_scale=1.0,
+        dynamic=False,
+        accumulation_steps=accumulation_steps,
+    )
+
+
+def read_now(value: Any) -> tf.Tensor:
+    """Reads a (Keras) variable here, in program order (a plain conversion may be reordered
+    after later writes inside a `tf.function`); tensors pass through."""
+    if isinstance(value, keras.Variable):
+        return value.value.read_value()
+    return tf.convert_to_tensor(value)
+
+
+def _scale_logs(optimizer: Any, overflow: Any) -> dict[str, Any]:
+    return {
+        "loss_scale": ops.cast(read_now(optimizer.loss_scale), "float32"),
+        "overflow": ops.cast(overflow, "float32"),
+    }
+
+
+class MixedPrecisionMixin:
+    """Gives a Keras model class tfmixprec's mixed-precision `train_step` and `compile`.
+
+    Put it before `keras.Model` in the bases: `class MyModel(MixedPrecisionMixin, keras.Model)`.
+    `compile` wraps the optimizer in a `tfmixprec.LossScaleOptimizer` (dynamic scale for
+    float16; a fixed scale of 1 for bfloat16/float32, which still skips Inf/NaN steps). The
+    logs gain `loss_scale` and `overflow` (1.0 on a skipped step). Loss and metrics of a
+    skipped step still count in the epoch averages, as with Keras's own `train_step`.
+    """
+
+    def compile(
+        self,
+        optimizer: Any = "rmsprop",
+        *args: Any,
+        loss_scaling: str = "auto",
+        accumulation_steps: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        """Compiles the model with a tfmixprec `LossScaleOptimizer`.
+
+        Args:
+            optimizer: `keras.optimizers.Optimizer`, its name, or a `LossScaleOptimizer`.
+            *args: Passed to `keras.Model.compile`.
+            loss_scaling: String. `"auto"` (dynamic for float16, none otherwise),
+                `"dynamic"` or `"none"`.
+            accumulation_steps: Int >= 1. Micro-batches per applied step.
+            **kwargs: Passed to `keras.Model.compile`.
+        """
+        optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer
+        optimizer = ensure_loss_scale_optimizer(
+            optimizer, _computes_in_float16(self), loss_scaling, accumulation_steps
+        )
+        super().compile(optimizer, *args, **kwargs)
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Recompiles a loaded model (`keras.models.load_model`) through `compile`."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)  # so saved slots can be loaded
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        """One mixed-precision training step (see the class docstring)."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        optimizer = self.optimizer
+        if not isinstance(optimizer, LossScaleOptimizer):
+            raise TypeError(
+                "MixedPrecisionModel.train_step needs a tfmixprec.LossScaleOptimizer; compile "
+                f"the model with compile(). Received: optimizer={optimizer!r}"
+            )
+        with tf.GradientTape() as tape:
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            loss = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+            loss = ops.cast(loss, "float32")
+            self._loss_tracker.update_state(
+                unscale_loss_for_distribution(loss),
+                sample_weight=tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0],
+            )
+            scaled_loss = optimizer.scale_loss(loss)
+        trainable = self.trainable_weights
+        overflows_before = read_now(optimizer.overflow_steps)
+        if trainable:
+            grads = tape.gradient(scaled_loss, trainable)
+            grads = optimizer.get_unscaled_gradients(grads)
+            # Clipping (the inner optimizer's clipnorm/global_clipnorm/clipvalue) happens in
+            # the inner optimizer's apply, on these unscaled gradients.
+            optimizer.apply(grads, trainable)
+        overflow = ops.greater(read_now(optimizer.overflow_steps), overflows_before)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = dict(logs)
+        logs.update(_scale_logs(optimizer, overflow))
+        return logs
+
+
+@keras.saving.register_keras_serializable(package="tfmixprec")
+class MixedPrecisionModel(MixedPrecisionMixin, keras.Model):
+    """A `keras.Model` with tfmixprec's mixed-precision `train_step`.
+
+    Use it like `keras.Model`: functional (`MixedPrecisionModel(inputs, outputs)`) or as the
+    base class of a subclassed model.
+
+    Example:
+
+    >>> inputs = keras.Input((784,))
+    >>> outputs = keras.layers.Dense(10, dtype="float32")(inputs)
+    >>> model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+    >>> model.compile(optimizer="adam", loss="mse")
+    >>> history = model.fit(x, y)  # history.history["loss_scale"], ["overflow"]
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Keras makes `Model(inputs, outputs)` functional by rewriting the class's bases in
+        # place, which would break every later subclassed use of this class. Functional use
+        # gets its own class instead, a subclass of this one.
+        if cls is MixedPrecisionModel and functional_init_arguments(args, kwargs):
+            return MixedPrecisionFunctional.__new__(MixedPrecisionFunctional, *args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if functional_init_arguments(args, kwargs) and not isinstance(self, Functional):
+            raise TypeError(
+                f"{type(self).__name__} is a subclass of MixedPrecisionModel called with "
+                "inputs/outputs. Subclass tfmixprec.MixedPrecisionFunctional for functional "
+                "models, or call MixedPrecisionModel(inputs, outputs) directly."
+            )
+        super().__init__(*args, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="tfmixprec")
+class MixedPrecisionFunctional(MixedPrecisionModel, Functional):
+    """The class of `MixedPrecisionModel(inputs, outputs)`: a functional model with
+    tfmixprec's `train_step`. Subclass it for functional models with extra methods."""
+
+
+def compute_unscaled_gradients(
+    tape: tf.GradientTape,
+    loss: Any,
+    variables: Sequence[Any],
+    optimizer: LossScaleOptimizer,
+) -> tuple[list[Any], tf.Tensor]:
+    """Gradients of `loss * scale`, unscaled in float32, and whether all are finite.
+
+    The scale enters as the backward pass's seed (`output_gradients`), which is the same
+    as differentiating the scaled loss, so the tape need not have recorded the scaling. The
+    next `optimizer.apply` in this step applies the gradients as they are.
+
+    Args:
+        tape: `tf.GradientTape`. The tape that recorded `loss`.
+        loss: Scalar tensor. The (unscaled) loss; float16 losses are cast to float32.
+        variables: List of variables to differentiate.
+        optimizer: `tfmixprec.LossScaleOptimizer`. Provides the scale.
+
+    Returns:
+        `(grads, finite)`: the unscaled gradients (`None` kept) and a scalar bool tensor.
+
+    Example:
+
+    >>> with tf.GradientTape() as tape:
+    ...     loss = loss_fn(y, model(x, training=True))
+    >>> variables = model.trainable_variables
+    >>> grads, finite = tfmixprec.compute_unscaled_gradients(tape, loss, variables, opt)
+    >>> opt.apply(grads, variables)  # skips the step if not finite
+    """
+    if not isinstance(optimizer, LossScaleOptimizer):
+        raise TypeError(
+            "optimizer must be a tfmixprec.LossScaleOptimizer (wrap yours: "
+            f"tfmixprec.LossScaleOptimizer(opt)). Received: optimizer of type "
+            f"{type(optimizer).__name__}"
+        )
+    grads = _unscaled_gradients(tape, loss, variables, optimizer)
+    return grads, optimizer.check_finite(grads)
+
+
+def _unscaled_gradients(
+    tape: tf.GradientTape, loss: Any, variables: Sequence[Any], optimizer: LossScaleOptimizer
+) -> list[Any]:
+    if not optimizer.built:
+        optimizer.build(list(variables))
+    loss = ops.cast(loss, "float32")
+    seed = ops.cast(optimizer.loss_scale, "float32")
+    grads = tape.gradient(loss, variables, output_gradients=seed)
+    return optimizer.get_unscaled_gradients(grads)
+
+
+def make_train_step(
+    model: keras.Model,
+    loss_fn: Callable[..., Any],
+    optimizer: Any,
+    jit_compile: bool = False,
+) -> Callable[..., dict[str, Any]]:
+    """Builds a compiled mixed-precision step for a custom training loop.
+
+    Args:
+        model: `keras.Model`. The model to train.
+        loss_fn: Callable `(y_true, y_pred)` or `(y_true, y_pred, sample_weight)` returning the
+            loss (e.g. a `keras.losses.Loss`).
+        optimizer: `keras.optimizers.Optimizer` or `tfmixprec.LossScaleOptimizer`; a plain one is
+            wrapped (dynamic scale if the model computes in float16, else a fixed scale of 1).
+        jit_compile: Bool. Compile the step with XLA.
+
+    Returns:
+        A `tf.function` `step(x, y, sample_weight=None)` returning
+        `{"loss", "loss_scale", "overflow"}`; its `optimizer` attribute is the wrapper used.
+
+    Example:
+
+    >>> step = tfmixprec.make_train_step(model, keras.losses.MeanSquaredError(), "adam")
+    >>> for x, y in dataset:
+    ...     logs = step(x, y)
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"model must be a keras.Model. Received: model of type {type(model).__name__}"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable. Received: loss_fn={loss_fn!r}")
+    optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer
+    optimizer = ensure_loss_scale_optimizer(optimizer, _computes_in_float16(model))
+
+    def step(x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            if sample_weight is None:
+                loss = loss_fn(y, y_pred)
+            else:
+                loss = loss_fn(y, y_pred, sample_weight)
+            loss = ops.cast(loss, "float32")
+        variables = model.trainable_variables
+        overflows_before = read_now(optimizer.overflow_steps)
+        grads = _unscaled_gradients(tape, loss, variables, optimizer)
+        optimizer.apply(grads, variables)
+        overflow = ops.greater(read_now(optimizer.overflow_steps), overflows_before)
+        logs = {"loss": loss}
+        logs.update(_scale_logs(optimizer, overflow))
+        return logs
+
+    compiled = tf.function(step, jit_compile=jit_compile)
+    compiled.optimizer = optimizer
+    return compiled
