@@ -4,6 +4,11 @@ from tfmixprec._version import __version__
 from tfmixprec.audit import AuditReport
 from tfmixprec.audit import Finding
 from tfmixprec.audit import audit
+from tfmixprec.callbacks import GradientRangeMonitor
+from tfmixprec.callbacks import GradientRangeStats
+from tfmixprec.callbacks import LossScaleMonitor
+from tfmixprec.callbacks import OverflowGuard
+from tfmixprec.callbacks import gradient_range_stats
 from tfmixprec.hardware import DoctorReport
 from tfmixprec.hardware import GPUInfo
 from tfmixprec.hardware import HardwareInfo
@@ -16,6 +21,8 @@ from tfmixprec.policy import choose_policy
 from tfmixprec.policy import float32_outputs
 from tfmixprec.policy import policy_scope
 from tfmixprec.policy import set_policy
+from tfmixprec.tensorboard import TensorBoard
+from tfmixprec.tensorboard import dashboard_layout
 from tfmixprec.training import MixedPrecisionFunctional
 from tfmixprec.training import MixedPrecisionMixin
 from tfmixprec.training import MixedPrecisionModel
@@ -27,20 +34,27 @@ __all__ = [
     "DoctorReport",
     "Finding",
     "GPUInfo",
+    "GradientRangeMonitor",
+    "GradientRangeStats",
     "HardwareInfo",
+    "LossScaleMonitor",
     "LossScaleOptimizer",
     "MixedPrecisionFunctional",
     "MixedPrecisionMixin",
     "MixedPrecisionModel",
+    "OverflowGuard",
     "PolicyChange",
     "PolicyChoice",
+    "TensorBoard",
     "__version__",
     "audit",
     "choose_policy",
     "compute_unscaled_gradients",
+    "dashboard_layout",
     "detect_hardware",
     "doctor",
     "float32_outputs",
+    "gradient_range_stats",
     "make_train_step",
     "policy_scope",
     "set_policy",

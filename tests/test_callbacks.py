@@ -1,0 +1,274 @@
+"""Tests of LossScaleMonitor, OverflowGuard and GradientRangeMonitor on scripted overflows."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmixprec
+from tfmixprec import GradientRangeMonitor, LossScaleMonitor, LossScaleOptimizer, OverflowGuard
+
+BATCH = 4
+
+
+def _model(kind="keras", **opt_kwargs):
+    """A tiny float32 model with a dynamic tfmixprec optimizer (Keras's or our train_step)."""
+    keras.utils.set_random_seed(0)
+    cls = keras.Model if kind == "keras" else tfmixprec.MixedPrecisionModel
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(2)(keras.layers.Dense(4)(inputs))
+    model = cls(inputs, outputs)
+    opt_kwargs.setdefault("initial_scale", 2.0**15)
+    model.compile(
+        optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.01), **opt_kwargs), loss="mse"
+    )
+    return model
+
+
+def _data(bad_batches=(), batches=8, value=np.inf):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batches * BATCH, 3)).astype("float32")
+    y = rng.normal(size=(batches * BATCH, 2)).astype("float32")
+    for b in bad_batches:
+        x[b * BATCH, 0] = value
+    return x, y
+
+
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batch_logs, self.epoch_logs = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batch_logs.append({k: (v, type(v)) for k, v in logs.items()})
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_logs.append(dict(logs))
+
+
+@pytest.mark.parametrize("kind", ["keras", "tfmixprec"])
+def test_loss_scale_monitor_logs(kind):
+    model = _model(kind)
+    x, y = _data(bad_batches=(2, 5))
+    recorder = Recorder()
+    monitor = LossScaleMonitor()
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor, recorder]
+    )
+    scales = [float(logs["loss_scale"][0]) for logs in recorder.batch_logs]
+    assert scales == [2.0**15] * 2 + [2.0**14] * 3 + [2.0**13] * 3
+    overflow_steps = [float(logs["overflow_steps"][0]) for logs in recorder.batch_logs]
+    assert overflow_steps == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert all(issubclass(logs["overflow_steps"][1], tf.Tensor) for logs in recorder.batch_logs)
+    assert history.history["overflow_steps"] == [2.0]
+    assert history.history["skipped_fraction"] == [0.25]
+    assert history.history["loss_scale"] == [2.0**13]
+
+
+def test_loss_scale_monitor_verbose_reports(capsys):
+    model = _model()
+    x, y = _data(bad_batches=(1, 2, 6))
+    monitor = LossScaleMonitor(verbose=1, log_every=4)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines == [
+        "step 4: 2 overflows since last report, loss scale 32768 -> 8192",
+        "step 8: 1 overflow since last report, loss scale 8192 -> 4096",
+    ]
+    assert monitor.events == lines
+
+
+def test_callbacks_need_a_tfmixprec_optimizer():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = _data()
+    for callback in (LossScaleMonitor(), OverflowGuard()):
+        with pytest.raises(
+            TypeError, match=r"model.optimizer is SGD.*tfmixprec.LossScaleOptimizer"
+        ):
+            model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
+
+
+def test_guard_ignores_isolated_overflows():
+    model = _model()
+    guard = OverflowGuard(patience=3, max_consecutive=2)
+    x, y = _data(bad_batches=(1, 4, 7))
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[guard]
+    )
+    assert len(history.history["loss"]) == 2
+    assert guard.stopped_step is None and guard.stop_message is None
+    assert int(model.optimizer.overflow_steps) == 6
+
+
+def test_guard_stops_on_persistent_nan_data(capsys):
+    model = _model()
+    guard = OverflowGuard(max_consecutive=3)
+    x, y = _data(bad_batches=range(8), value=np.nan)
+    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=[guard])
+    assert guard.stopped_step == 3
+    assert int(model.optimizer.overflow_steps) == 3  # it stopped right there
+    assert guard.stop_message.startswith(
+        "OverflowGuard stopped training at step 3: 3 consecutive overflow steps (max_consecutive=3)"
+    )
+    assert "NaN/Inf in the inputs or labels" in guard.stop_message
+    assert guard.stop_message in capsys.readouterr().out
+
+
+def test_guard_patience_at_min_scale():
+    model = _model(initial_scale=4.0, min_scale=1.0, on_min_scale="ignore")
+    guard = OverflowGuard(patience=3, max_consecutive=100, verbose=0)
+    x, y = _data(bad_batches=range(8))
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[guard])
+    # scale after steps 1, 2, 3, 4: 2, 1, 1, 1 -> at min since step 2, 3 steps at step 4
+    assert guard.stopped_step == 4
+    assert "has sat at min_scale=1 for 3 steps (patience=3)" in guard.stop_message
+
+
+def test_guard_raise_and_restore():
+    model = _model()
+    x, y = _data(bad_batches=range(2, 8))
+
+    class Corrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:  # weights corrupted by something outside the optimizer
+                self.model.set_weights([w * 0 + 123 for w in self.model.get_weights()])
+
+    guard = OverflowGuard(max_consecutive=4, restore_weights=True, raise_error=True, verbose=0)
+    seen = {}
+
+    class Snapshot(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                seen["weights"] = self.model.get_weights()
+
+    with pytest.raises(FloatingPointError, match=r"stopped training at step 6: 4 consecutive"):
+        model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=[Snapshot(), Corrupt(), guard],
+        )
+    for a, b in zip(seen["weights"], model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert "The last weights with a finite loss were restored." in guard.stop_message
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, match",
+    [
+        (LossScaleMonitor, dict(verbose=2), r"verbose must be 0 or 1.*verbose=2"),
+        (LossScaleMonitor, dict(log_every=0), r"log_every must be an integer >= 1.*=0"),
+        (OverflowGuard, dict(patience=0), r"patience must be an integer >= 1.*patience=0"),
+        (OverflowGuard, dict(max_consecutive=-1), r"max_consecutive=-1"),
+        (OverflowGuard, dict(restore_weights="yes"), r"restore_weights must be True or False"),
+        (OverflowGuard, dict(check_every=1.5), r"check_every=1.5"),
+    ],
+)
+def test_callback_bad_arguments(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "callback",
+    [LossScaleMonitor(verbose=1, log_every=7), OverflowGuard(patience=5, max_consecutive=9)],
+)
+def test_callback_config_round_trip(callback):
+    config = callback.get_config()
+    restored = type(callback).from_config(config)
+    assert restored.get_config() == config
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(callback))
+    assert type(again) is type(callback) and again.get_config() == config
+
+
+# --------------------------------------------------------------------- gradient range
+def test_gradient_range_stats_exact_counts():
+    values = np.array([0.0, 0.0, 1e-9, 2.0**-20, 2.0**-14, 1.0, 70000.0, -1e-8], dtype=np.float32)
+    stats = tfmixprec.gradient_range_stats([values[:4], None, tf.constant(values[4:])])
+    assert stats.count == 8
+    assert stats.zero_fraction == 2 / 8
+    assert stats.underflow_fraction == 2 / 8
+    assert stats.subnormal_fraction == 1 / 8
+    assert stats.overflow_fraction == 1 / 8
+    assert stats.histogram == {-30: 1, -27: 1, -20: 1, -14: 1, 0: 1, 16: 1}
+    assert stats.max_abs == 70000.0
+    assert stats.min_abs_nonzero == np.float32(1e-9)
+
+
+def test_gradient_range_stats_sparse_and_inf():
+    sparse = tf.IndexedSlices(tf.constant([[np.inf, 1e-30]]), tf.constant([0]), tf.constant([5, 2]))
+    stats = tfmixprec.gradient_range_stats([sparse])
+    assert stats.count == 2
+    assert stats.overflow_fraction == 0.5 and stats.underflow_fraction == 0.5
+    empty = tfmixprec.gradient_range_stats([None])
+    assert empty.count == 0 and empty.recommend_loss_scale() == 1.0
+
+
+def test_recommend_loss_scale():
+    stats = tfmixprec.gradient_range_stats([np.full(10, 2.0**-30, np.float32)])
+    assert (
+        stats.recommend_loss_scale() == 2.0**16
+    )  # 2^-30 * 2^16 = 2^-14, float16's smallest normal
+    capped = tfmixprec.gradient_range_stats([np.array([2.0**-30, 2.0**10], np.float32)])
+    assert capped.recommend_loss_scale(percentile=0) == 32.0  # 1024 * 64 would pass 65504
+    assert tfmixprec.gradient_range_stats([np.ones(3)]).recommend_loss_scale() == 1.0
+    with pytest.raises(ValueError, match=r"percentile must be in \[0, 100\].*=101"):
+        stats.recommend_loss_scale(101)
+
+
+def _linear_model():
+    """y = x @ w with w = 0 and target 1: the weight gradient is exactly -2 * x."""
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Identity(name="hidden")(inputs)
+    outputs = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros", name="out")(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile(
+        optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=1.0), loss="mse"
+    )
+    return model
+
+
+def test_gradient_monitor_on_known_gradients():
+    model = _linear_model()
+    x = np.array([[1e-10, 2.0**-21, 1.0, 0.0]], np.float32)  # grads: -2x
+    y = np.ones((1, 1), np.float32)
+    monitor = GradientRangeMonitor((x, y), every_n_steps=2, layers=["hidden"])
+    recorder = Recorder()
+    model.fit(
+        np.repeat(x, 4, 0),
+        np.repeat(y, 4, 0),
+        batch_size=1,
+        verbose=0,
+        callbacks=[monitor, recorder],
+    )
+    stats = monitor.weight_stats
+    assert (stats.count, stats.zero_fraction) == (4, 0.25)
+    assert (stats.underflow_fraction, stats.subnormal_fraction) == (0.25, 0.25)
+    assert stats.histogram == {-33: 1, -20: 1, 1: 1}
+    assert monitor.last_step == 4
+    logged = [logs for logs in recorder.batch_logs if "grad_underflow_fraction" in logs]
+    assert len(logged) == 2  # every 2 of 4 batches
+    assert logged[0]["grad_underflow_fraction"][0] == 0.25
+    # Activation gradient of `hidden` (dL/dh = -2 * w = 0): all exact zeros.
+    assert monitor.activation_stats["hidden"].zero_fraction == 1.0
+    # Lifting 2e-10 (the smallest, percentile 0) above 2^-14: 2^19; capped by |g|=2 -> 2^14.
+    assert monitor.recommend_loss_scale(percentile=0) == 2.0**14
+    with pytest.raises(ValueError, match=r"which must be None or one of \['hidden'\]"):
+        monitor.recommend_loss_scale(which="nope")
+
+
+def test_gradient_monitor_bad_input():
+    with pytest.raises(ValueError, match=r"data must be one batch.*type ndarray"):
+        GradientRangeMonitor(np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"every_n_steps must be an integer >= 1.*=0"):
+        GradientRangeMonitor((1, 2), every_n_steps=0)
+    model = _linear_model()
+    monitor = GradientRangeMonitor((np.ones((1, 4)), np.ones((1, 1))), layers=["missing"])
+    monitor.set_model(model)
+    with pytest.raises(ValueError, match=r"No layer named 'missing'"):
+        monitor.measure()
+    with pytest.raises(TypeError, match=r"cannot be rebuilt from its config alone"):
+        GradientRangeMonitor.from_config(monitor.get_config())

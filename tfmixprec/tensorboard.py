@@ -1,0 +1,179 @@
+"""TensorBoard summaries of the loss scale and overflow events, and the dashboard layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
+
+from tfmixprec.callbacks import GradientRangeMonitor, loss_scale_optimizer_of
+
+__all__ = ["TensorBoard", "dashboard_layout", "TAGS"]
+
+PREFIX = "mixed_precision"
+TAGS = {
+    "loss_scale": f"{PREFIX}/loss_scale",
+    "overflow": f"{PREFIX}/overflow",
+    "overflow_steps": f"{PREFIX}/overflow_steps",
+    "grad_underflow_fraction": f"{PREFIX}/grad_underflow_fraction",
+    "grad_subnormal_fraction": f"{PREFIX}/grad_subnormal_fraction",
+    "grad_log2_abs": f"{PREFIX}/grad_log2_abs",
+}
+LAYOUT_TITLE = "Mixed precision"
+
+
+def dashboard_layout() -> layout_pb2.Layout:
+    """The custom-scalars layout: loss next to loss scale, overflow events, gradient range.
+
+    Returns:
+        A `tensorboard.plugins.custom_scalar.layout_pb2.Layout`.
+    """
+
+    def chart(title: str, *tags: str) -> layout_pb2.Chart:
+        return layout_pb2.Chart(
+            title=title, multiline=layout_pb2.MultilineChartContent(tag=list(tags))
+        )
+
+    return layout_pb2.Layout(
+        category=[
+            layout_pb2.Category(
+                title=LAYOUT_TITLE,
+                chart=[
+                    chart("Loss", r"^(epoch|batch)_loss$"),
+                    chart("Loss scale", rf"^{TAGS['loss_scale']}$"),
+                    chart("Overflow events (skipped steps)", rf"^{TAGS['overflow']}$"),
+                    chart("Overflow steps (total)", rf"^{TAGS['overflow_steps']}$"),
+                    chart(
+                        "Gradients below float16's range",
+                        rf"^{PREFIX}/grad_(underflow|subnormal)_fraction$",
+                    ),
+                ],
+            )
+        ]
+    )
+
+
+@keras.saving.register_keras_serializable(package="tfmixprec")
+class TensorBoard(keras.callbacks.TensorBoard):
+    """`keras.callbacks.TensorBoard` plus loss-scale and overflow summaries.
+
+    Everything Keras's callback writes is still written. In addition, at each write (every
+    `update_freq` batches, or at epoch end with `update_freq="epoch"`), it writes
+    `mixed_precision/loss_scale`, `mixed_precision/overflow` (the overflow steps since the
+    previous write: 1 at each overflow step with `update_freq=1`), `mixed_precision/
+    overflow_steps` (total) and, with a `GradientRangeMonitor`, `mixed_precision/
+    grad_underflow_fraction`, `grad_subnormal_fraction` and a log2|g| histogram. It also
+    writes a custom-scalars layout named "Mixed precision". Batches where it does not write
+    cost no host sync. The step axis is the global batch (the epoch with `"epoch"`).
+
+    Args:
+        log_dir: String. Where to write, as for Keras's callback.
+        gradient_monitor: `GradientRangeMonitor`. Driven by this callback (no need to pass it
+            to `fit` as well); its measurements are written.
+        **kwargs: Any argument of `keras.callbacks.TensorBoard` (`update_freq`, ...).
+
+    Example:
+
+    >>> tb = tfmixprec.TensorBoard("runs/exp1", update_freq=50)
+    >>> model.fit(x, y, callbacks=[tb])  # then: tensorboard --logdir runs
+    """
+
+    def __init__(
+        self,
+        log_dir: str = "logs",
+        gradient_monitor: GradientRangeMonitor | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if gradient_monitor is not None and not isinstance(gradient_monitor, GradientRangeMonitor):
+            raise TypeError(
+                "gradient_monitor must be a tfmixprec.GradientRangeMonitor. Received: "
+                f"gradient_monitor of type {type(gradient_monitor).__name__}"
+            )
+        update_freq = kwargs.get("update_freq", "epoch")
+        if update_freq not in ("epoch", "batch") and (
+            isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
+        ):
+            raise ValueError(
+                'update_freq must be "epoch", "batch" or an integer >= 1. '
+                f"Received: update_freq={update_freq!r}"
+            )
+        super().__init__(log_dir=log_dir, **kwargs)
+        self.gradient_monitor = gradient_monitor
+        if gradient_monitor is not None:
+            gradient_monitor._driver = self
+        self._last_overflow_total = 0
+        self._grad_measured_at: int | None = None
+
+    def get_config(self) -> dict[str, Any]:
+        return {"log_dir": self.log_dir, "update_freq": self.update_freq}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TensorBoard:
+        return cls(**config)
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        if self.gradient_monitor is not None:
+            self.gradient_monitor.set_model(model)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        super().on_train_begin(logs)
+        opt = loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
+        self._last_overflow_total = int(opt.overflow_steps)
+        if self.gradient_monitor is not None:
+            self.gradient_monitor.on_train_begin(logs)
+        with self._train_writer.as_default(), tf.summary.record_if(True):
+            summary = custom_scalar_summary.pb(dashboard_layout())
+            tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=0)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        super().on_train_batch_end(batch, logs)
+        measured = False
+        if self.gradient_monitor is not None:
+            measured = self.gradient_monitor.step(logs if isinstance(logs, dict) else None)
+        if self.update_freq != "epoch" and self._global_train_batch % self.update_freq == 0:
+            self._write(self._global_train_batch)
+        elif measured and self.update_freq != "epoch":
+            self._write_gradients(self._global_train_batch)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        if self.update_freq == "epoch":
+            self._write(epoch)
+
+    def _write(self, step: int) -> None:
+        opt = loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
+        total = int(opt.overflow_steps)
+        with self._train_writer.as_default(), tf.summary.record_if(True):
+            tf.summary.scalar(TAGS["loss_scale"], float(opt.loss_scale), step=step)
+            tf.summary.scalar(TAGS["overflow"], float(total - self._last_overflow_total), step=step)
+            tf.summary.scalar(TAGS["overflow_steps"], float(total), step=step)
+        self._last_overflow_total = total
+        self._write_gradients(step)
+
+    def _write_gradients(self, step: int) -> None:
+        monitor = self.gradient_monitor
+        if monitor is None or monitor.weight_stats is None:
+            return
+        if self._grad_measured_at == monitor.last_step:
+            return  # already written
+        self._grad_measured_at = monitor.last_step
+        stats = monitor.weight_stats
+        with self._train_writer.as_default(), tf.summary.record_if(True):
+            tf.summary.scalar(TAGS["grad_underflow_fraction"], stats.underflow_fraction, step=step)
+            tf.summary.scalar(TAGS["grad_subnormal_fraction"], stats.subnormal_fraction, step=step)
+            if stats.log2_abs.size:
+                tf.summary.histogram(
+                    TAGS["grad_log2_abs"], np.asarray(stats.log2_abs), step=step, buckets=60
+                )
+            for name, layer_stats in monitor.activation_stats.items():
+                tf.summary.scalar(
+                    f"{PREFIX}/activation_grad_underflow_fraction/{name}",
+                    layer_stats.underflow_fraction,
+                    step=step,
+                )
+        self._train_writer.flush()
