@@ -122,19 +122,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ]:
         keras.utils.set_random_seed(0)
         result = run(x, y, args.steps)
-        opt = result["optimizer"]
+        state = result["optimizer"].read_state()
         probs = result["model"].predict(x, verbose=0)
         accuracy = float(np.mean(np.argmax(probs, axis=1) == y))
         print(
             f"{name:27s} loss={result['loss']:.4f} accuracy={accuracy:.3f} "
-            f"loss_scale={float(opt.loss_scale):g} overflow_steps={int(opt.overflow_steps)} "
-            f"applied_steps={int(opt.iterations)}"
+            f"loss_scale={state['loss_scale']:g} overflow_steps={state['overflow_steps']} "
+            f"applied_steps={state['iterations']}"
         )
         results[name] = {
             "loss": result["loss"],
             "accuracy": accuracy,
-            "overflow_steps": int(opt.overflow_steps),
-            "applied_steps": int(opt.iterations),
+            "overflow_steps": state["overflow_steps"],
+            "applied_steps": state["iterations"],
         }
     return results
 

@@ -33,3 +33,26 @@ def test_custom_training_loop_example():
         assert line.startswith(name)
         assert "overflow_steps=1 applied_steps=11" in line  # the Inf batch was skipped
         assert "loss_scale=16384" in line
+
+
+def test_fit_with_callbacks_example():
+    out = _run("fit_with_callbacks.py", "--epochs", "2")
+    assert "overflow steps 2 (the NaN batch, once per epoch)" in out
+    assert "guard stopped: False" in out
+    accuracy = float(out.split("test accuracy ")[1].split()[0])
+    assert accuracy > 0.8
+
+
+def test_tensorboard_dashboard_example(tmp_path):
+    out = _run("tensorboard_dashboard.py", "--logdir", str(tmp_path), "--epochs", "2")
+    assert f"open the dashboard: tensorboard --logdir {tmp_path}" in out
+    overflow, total = out.split("overflow steps ")[1].split()[0::2][:2]
+    assert int(overflow) >= 1 and int(total) == 64  # 2 epochs x 32 batches
+    assert list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_distributed_mirrored_example():
+    out = _run("distributed_mirrored.py", "--epochs", "2")
+    assert out.startswith("replicas: 2")
+    assert "overflow steps 2 (skipped on every replica)" in out
+    assert "weights identical across replicas: True" in out

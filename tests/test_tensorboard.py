@@ -93,7 +93,7 @@ def test_custom_scalars_layout_written(tmp_path):
     (category,) = layout.category
     assert category.title == "Mixed precision"
     titles = [chart.title for chart in category.chart]
-    assert titles[:3] == ["Loss", "Loss scale", "Overflow events (skipped steps)"]
+    assert titles[:3] == ["Loss (per batch)", "Loss scale", "Overflow events (skipped steps)"]
 
 
 def test_gradient_monitor_summaries(tmp_path):

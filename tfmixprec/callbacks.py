@@ -44,6 +44,11 @@ def loss_scale_optimizer_of(model: Any, who: str) -> LossScaleOptimizer:
     return optimizer
 
 
+def format_scale(scale: float) -> str:
+    """32768.0 -> '32768'; 0.25 -> '0.25' (no exponent notation for whole scales)."""
+    return str(int(scale)) if scale >= 1 and float(scale).is_integer() else f"{scale:g}"
+
+
 def _check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1. Received: {name}={value!r}")
@@ -88,7 +93,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         opt = loss_scale_optimizer_of(self.model, "LossScaleMonitor")
         self._step = 0
-        self._reported = (int(opt.overflow_steps), float(opt.loss_scale))
+        state = opt.read_state()
+        self._reported = (state["overflow_steps"], state["loss_scale"])
 
     def _values(self, opt: LossScaleOptimizer) -> dict[str, Any]:
         overflows = tf.cast(tf.convert_to_tensor(opt.overflow_steps), tf.float32)
@@ -111,17 +117,18 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
         opt = loss_scale_optimizer_of(self.model, "LossScaleMonitor")
-        logs.update({k: float(v) for k, v in self._values(opt).items()})
+        logs.update({k: float(v.numpy()) for k, v in self._values(opt).items()})
         self._report(opt)
 
     def _report(self, opt: LossScaleOptimizer) -> None:
-        overflows, scale = int(opt.overflow_steps), float(opt.loss_scale)
+        state = opt.read_state()
+        overflows, scale = state["overflow_steps"], state["loss_scale"]
         before_overflows, before_scale = self._reported
         if overflows > before_overflows:
             line = (
                 f"step {self._step}: {overflows - before_overflows} overflow"
                 f"{'s' if overflows - before_overflows != 1 else ''} since last report, "
-                f"loss scale {before_scale:g} -> {scale:g}"
+                f"loss scale {format_scale(before_scale)} -> {format_scale(scale)}"
             )
             self.events.append(line)
             if self.verbose:
@@ -208,8 +215,9 @@ class OverflowGuard(keras.callbacks.Callback):
         if self._step % self.check_every:
             return
         opt = loss_scale_optimizer_of(self.model, "OverflowGuard")
-        consecutive = int(opt.consecutive_overflows)
-        at_min = opt.dynamic and float(opt.loss_scale) <= opt.min_scale
+        state = opt.read_state()
+        consecutive = state["consecutive_overflows"]
+        at_min = opt.dynamic and state["loss_scale"] <= opt.min_scale
         if at_min and self._at_min_since is None:
             self._at_min_since = self._step
         elif not at_min:
@@ -471,7 +479,7 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         if self._compute is None:
             self._build()
         opt = getattr(self.model, "optimizer", None)
-        scale = float(opt.loss_scale) if isinstance(opt, LossScaleOptimizer) else 1.0
+        scale = opt.read_state()["loss_scale"] if isinstance(opt, LossScaleOptimizer) else 1.0
         x, y = self.data[0], self.data[1]
         sample_weight = self.data[2] if len(self.data) == 3 else None
         x = tf.nest.map_structure(tf.convert_to_tensor, x)

@@ -352,6 +352,31 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Clean steps since the scale last changed (the growth counter)."""
         return self._state_or_default("step_counter", 0, tf.int64)
 
+    def read_state(self) -> dict[str, float | int]:
+        """Reads the scale state to the host, as Python numbers (also under tf.distribute).
+
+        Call it outside the training step (callbacks do, at their logging interval).
+
+        Returns:
+            Dict with `loss_scale`, `good_steps`, `hysteresis_tracker`, `overflow_steps`,
+            `consecutive_overflows`, `last_overflow_iteration`, `step_applied`, `iterations`.
+        """
+        values = {
+            "loss_scale": self.loss_scale,
+            "good_steps": self.good_steps,
+            "hysteresis_tracker": (
+                self.hysteresis_tracker if self.built else tf.constant(self.hysteresis)
+            ),
+            "overflow_steps": self.overflow_steps,
+            "consecutive_overflows": self.consecutive_overflows,
+            "last_overflow_iteration": self.last_overflow_iteration,
+            "step_applied": self.step_applied,
+            "iterations": self.iterations,
+        }
+        state = {name: value.numpy().item() for name, value in values.items()}
+        state["loss_scale"] = float(state["loss_scale"])
+        return state
+
     # ---------------------------------------------------------- loss scaling
     def scale_loss(self, loss: Any) -> Any:
         """Multiplies `loss` by the current loss scale (in float32 or wider).

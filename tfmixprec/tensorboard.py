@@ -43,9 +43,10 @@ def dashboard_layout() -> layout_pb2.Layout:
             layout_pb2.Category(
                 title=LAYOUT_TITLE,
                 chart=[
-                    chart("Loss", r"^(epoch|batch)_loss$"),
+                    chart("Loss (per batch)", r"^batch_loss$"),
                     chart("Loss scale", rf"^{TAGS['loss_scale']}$"),
                     chart("Overflow events (skipped steps)", rf"^{TAGS['overflow']}$"),
+                    chart("Loss (per epoch)", r"^epoch_loss$"),
                     chart("Overflow steps (total)", rf"^{TAGS['overflow_steps']}$"),
                     chart(
                         "Gradients below float16's range",
@@ -123,7 +124,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
     def on_train_begin(self, logs: dict | None = None) -> None:
         super().on_train_begin(logs)
         opt = loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
-        self._last_overflow_total = int(opt.overflow_steps)
+        self._last_overflow_total = opt.read_state()["overflow_steps"]
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
         with self._train_writer.as_default(), tf.summary.record_if(True):
@@ -147,9 +148,10 @@ class TensorBoard(keras.callbacks.TensorBoard):
 
     def _write(self, step: int) -> None:
         opt = loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
-        total = int(opt.overflow_steps)
+        state = opt.read_state()
+        total = state["overflow_steps"]
         with self._train_writer.as_default(), tf.summary.record_if(True):
-            tf.summary.scalar(TAGS["loss_scale"], float(opt.loss_scale), step=step)
+            tf.summary.scalar(TAGS["loss_scale"], state["loss_scale"], step=step)
             tf.summary.scalar(TAGS["overflow"], float(total - self._last_overflow_total), step=step)
             tf.summary.scalar(TAGS["overflow_steps"], float(total), step=step)
         self._last_overflow_total = total

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Regenerates docs/dashboard.png: runs examples/tensorboard_dashboard.py, serves its logs with a
+# real TensorBoard on 127.0.0.1 and screenshots the "Custom Scalars" tab with headless Chromium
+# (Debian: apt-get install chromium). A developer step, not part of CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+logdir=$(mktemp -d)
+python examples/tensorboard_dashboard.py --logdir "$logdir" >/dev/null
+port=6123
+python -m tensorboard.main --logdir "$logdir" --host 127.0.0.1 --port "$port" >/dev/null 2>&1 &
+tb=$!
+trap 'kill $tb 2>/dev/null || true; rm -rf "$logdir"' EXIT
+for _ in $(seq 60); do
+  curl -sf "http://127.0.0.1:$port/data/plugin/custom_scalars/layout" >/dev/null && break
+  sleep 1
+done
+chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
+  --disable-background-networking --disable-component-update --disable-sync \
+  --user-data-dir="$(mktemp -d)" --hide-scrollbars --window-size=1600,800 \
+  --virtual-time-budget=20000 --screenshot=docs/dashboard.png \
+  "http://127.0.0.1:$port/#custom_scalars&_smoothingWeight=0"

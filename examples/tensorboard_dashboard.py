@@ -1,0 +1,75 @@
+"""Write a TensorBoard run that shows the dynamic loss scale at work.
+
+A small float16 model starts with a loss scale far too high (2**20): the first steps overflow
+and the scale backs off; then it grows every `--growth-interval` clean steps, overflows again,
+and backs off: the sawtooth of a dynamic loss scale. Open the "Custom Scalars" tab of
+TensorBoard, category "Mixed precision", to see loss, loss scale and overflow events together.
+
+    python examples/tensorboard_dashboard.py --logdir runs/dashboard
+    tensorboard --logdir runs/dashboard
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tfmixprec  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="TensorBoard dashboard of the loss scale.")
+    parser.add_argument("--logdir", default="runs/dashboard")
+    parser.add_argument("--policy", default="mixed_float16")
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--growth-interval", type=int, default=20)
+    args = parser.parse_args(argv)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 16)).astype("float32")
+    y = (x[:, :4] @ rng.normal(size=(4, 1)) + 0.1 * rng.normal(size=(1024, 1))).astype("float32")
+
+    with tfmixprec.policy_scope(args.policy):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(32, activation="relu")(inputs)
+        hidden = keras.layers.Dense(32, activation="relu")(hidden)
+        outputs = keras.layers.Dense(1, dtype="float32")(hidden)
+        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+        opt = tfmixprec.LossScaleOptimizer(
+            keras.optimizers.Adam(3e-3),
+            initial_scale=2.0**20,
+            growth_interval=args.growth_interval,
+        )
+        model.compile(optimizer=opt, loss="mse")
+        gradients = tfmixprec.GradientRangeMonitor((x[:64], y[:64]), every_n_steps=16)
+        board = tfmixprec.TensorBoard(args.logdir, update_freq=1, gradient_monitor=gradients)
+        monitor = tfmixprec.LossScaleMonitor(verbose=1, log_every=32)
+        history = model.fit(
+            x, y, batch_size=32, epochs=args.epochs, verbose=0, callbacks=[board, monitor]
+        )
+
+    state = opt.read_state()
+    result = {
+        "final_loss": history.history["loss"][-1],
+        "loss_scale": state["loss_scale"],
+        "overflow_steps": state["overflow_steps"],
+        "applied_steps": state["iterations"],
+        "grad_underflow_fraction": gradients.weight_stats.underflow_fraction,
+    }
+    print(
+        f"final loss {result['final_loss']:.4f}, loss scale {result['loss_scale']:g}, "
+        f"overflow steps {result['overflow_steps']} of "
+        f"{result['overflow_steps'] + result['applied_steps']}"
+    )
+    print(f"open the dashboard: tensorboard --logdir {args.logdir}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

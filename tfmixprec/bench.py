@@ -1,0 +1,207 @@
+"""Training step time and throughput per policy, measured side by side in one process.
+
+Used by `tfmixprec bench` and `benchmarks/speedup.py`. Runs alternate between the variants
+(A, B, C, A, B, C, ...) so that drift in the machine hits all alike; the figure is the median.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmixprec.hardware import detect_hardware
+from tfmixprec.policy import choose_policy, float32_outputs, policy_scope
+from tfmixprec.training import MixedPrecisionModel
+
+__all__ = ["MODELS", "BenchResult", "build_model", "run_bench", "format_table"]
+
+MODELS = ("mlp", "cnn", "transformer")
+
+
+@dataclasses.dataclass
+class BenchResult:
+    """One variant's timing."""
+
+    model: str
+    policy: str  # as asked ("auto" stays "auto")
+    resolved_policy: str
+    stack: str  # "keras" (plain model.fit) or "tfmixprec" (MixedPrecisionModel)
+    batch: int
+    step_ms: float
+    samples_per_s: float
+    runs_ms: list[float]
+
+
+def _data(model: str, batch: int, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if model == "mlp":
+        x = rng.normal(size=(batch, size)).astype("float32")
+    elif model == "cnn":
+        x = rng.normal(size=(batch, 32, 32, 3)).astype("float32")
+    else:
+        x = rng.normal(size=(batch, 64, size)).astype("float32")
+    y = rng.integers(0, 10, size=(batch,)).astype("int32")
+    return x, y
+
+
+def build_model(model: str, size: int, cls: type = keras.Model) -> keras.Model:
+    """A benchmark model whose matmuls dominate its step time.
+
+    Args:
+        model: String. `"mlp"` (4 Dense layers of width `size`), `"cnn"` (3 conv blocks on
+            32x32x3 with `size // 8` filters) or `"transformer"` (one encoder block, sequence
+            64, model width `size`, 4 heads, feed-forward 4x).
+        size: Int. The width.
+        cls: `keras.Model` or `MixedPrecisionModel`.
+
+    Returns:
+        An uncompiled functional model with a float32 softmax output.
+    """
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {list(MODELS)}. Received: model={model!r}")
+    layers = keras.layers
+    if model == "mlp":
+        inputs = keras.Input((size,))
+        h = inputs
+        for _ in range(4):
+            h = layers.Dense(size, activation="relu")(h)
+    elif model == "cnn":
+        inputs = keras.Input((32, 32, 3))
+        h = inputs
+        filters = max(size // 8, 8)
+        for _ in range(3):
+            h = layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+            h = layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+            h = layers.MaxPooling2D()(h)
+            filters *= 2
+        h = layers.GlobalAveragePooling2D()(h)
+    else:
+        inputs = keras.Input((64, size))
+        attended = layers.MultiHeadAttention(4, key_dim=size // 4)(inputs, inputs)
+        h = layers.LayerNormalization()(inputs + attended)
+        ff = layers.Dense(4 * size, activation="relu")(h)
+        h = layers.LayerNormalization()(h + layers.Dense(size)(ff))
+        h = layers.GlobalAveragePooling1D()(h)
+    outputs = layers.Dense(10, activation="softmax")(h)
+    built = cls(inputs, outputs)
+    float32_outputs(built)
+    return built
+
+
+def _time_fit(model: keras.Model, dataset: tf.data.Dataset, steps: int) -> float:
+    start = time.perf_counter()
+    model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
+    return (time.perf_counter() - start) / steps
+
+
+def run_bench(
+    model: str = "mlp",
+    policies: Sequence[str] = ("float32", "mixed_bfloat16", "auto"),
+    stacks: Sequence[str] = ("tfmixprec",),
+    size: int = 1024,
+    batch: int = 256,
+    steps: int = 20,
+    repeats: int = 3,
+    float16_steps: int | None = None,
+) -> list[BenchResult]:
+    """Times `fit` steps for each (policy, stack), alternating runs; returns medians.
+
+    Args:
+        model: String. One of `MODELS`.
+        policies: List of policy names (`"auto"` allowed).
+        stacks: List of `"keras"` (plain `keras.Model` + `compile`) and/or `"tfmixprec"`
+            (`MixedPrecisionModel`, whose optimizer is a tfmixprec `LossScaleOptimizer`).
+        size: Int. Model width (see `build_model`).
+        batch: Int. Batch size.
+        steps: Int. Steps per timed run.
+        repeats: Int. Timed runs per variant (the median is reported).
+        float16_steps: Int. Steps per run for float16 variants on a machine without a GPU
+            (float16 on a CPU is 16-70x slower); defaults to `steps`.
+
+    Returns:
+        List of `BenchResult`, in the order of `policies` x `stacks`.
+    """
+    hardware = detect_hardware()
+    x, y = _data(model, batch, size)
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(2)
+    variants = []
+    for policy in policies:
+        resolved = choose_policy(hardware).name if policy == "auto" else policy
+        for stack in stacks:
+            with policy_scope(resolved):
+                keras.utils.set_random_seed(0)
+                cls = MixedPrecisionModel if stack == "tfmixprec" else keras.Model
+                net = build_model(model, size, cls)
+                net.compile(
+                    optimizer=keras.optimizers.Adam(1e-4), loss="sparse_categorical_crossentropy"
+                )
+            n = steps
+            if resolved == "mixed_float16" and not hardware.gpus and float16_steps is not None:
+                n = float16_steps
+            _time_fit(net, dataset, max(2, n // 4))  # trace and warm up
+            variants.append((policy, resolved, stack, net, n))
+    runs: dict[int, list[float]] = {i: [] for i in range(len(variants))}
+    for repeat in range(repeats):
+        order = range(len(variants)) if repeat % 2 == 0 else reversed(range(len(variants)))
+        for i in order:
+            runs[i].append(_time_fit(variants[i][3], dataset, variants[i][4]))
+    results = []
+    for i, (policy, resolved, stack, _, _) in enumerate(variants):
+        step_s = statistics.median(runs[i])
+        results.append(
+            BenchResult(
+                model=model,
+                policy=policy,
+                resolved_policy=resolved,
+                stack=stack,
+                batch=batch,
+                step_ms=1000 * step_s,
+                samples_per_s=batch / step_s,
+                runs_ms=[1000 * r for r in runs[i]],
+            )
+        )
+    return results
+
+
+def format_table(results: Sequence[BenchResult]) -> str:
+    """A side-by-side table with the throughput ratio to float32 of the same stack."""
+    baseline = {
+        (r.model, r.stack): r.samples_per_s for r in results if r.resolved_policy == "float32"
+    }
+    header = (
+        f"{'model':12} {'policy':26} {'stack':10} {'ms/step':>9} {'samples/s':>10} "
+        f"{'vs float32':>10}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        name = r.policy if r.policy == r.resolved_policy else f"{r.policy} ({r.resolved_policy})"
+        base = baseline.get((r.model, r.stack))
+        ratio = f"{r.samples_per_s / base:.2f}x" if base else "-"
+        lines.append(
+            f"{r.model:12} {name:26} {r.stack:10} {r.step_ms:9.2f} {r.samples_per_s:10.0f} "
+            f"{ratio:>10}"
+        )
+    return "\n".join(lines)
+
+
+def describe_machine() -> dict[str, Any]:
+    """The facts a benchmark result needs next to it."""
+    hw = detect_hardware()
+    import os
+    import platform
+
+    return {
+        "cpu": hw.cpu_name,
+        "cores": os.cpu_count(),
+        "gpus": [g.describe() for g in hw.gpus],
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+    }
