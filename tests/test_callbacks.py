@@ -272,3 +272,30 @@ def test_gradient_monitor_bad_input():
         monitor.measure()
     with pytest.raises(TypeError, match=r"cannot be rebuilt from its config alone"):
         GradientRangeMonitor.from_config(monitor.get_config())
+
+
+def test_callbacks_under_mirrored_strategy(two_cpu_strategy, tmp_path, capsys):
+    with two_cpu_strategy.scope():
+        model = _model("tfmixprec")
+    x, y = _data(bad_batches=(1,))
+    monitor = LossScaleMonitor(verbose=1, log_every=2)
+    guard = OverflowGuard(max_consecutive=3, verbose=0)
+    board = tfmixprec.TensorBoard(str(tmp_path), update_freq=2)
+    history = model.fit(
+        x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor, guard, board]
+    )
+    assert history.history["overflow_steps"] == [1.0]
+    assert capsys.readouterr().out.splitlines() == [
+        "step 2: 1 overflow since last report, loss scale 32768 -> 16384"
+    ]
+    assert guard.stopped_step is None
+    assert model.optimizer.read_state() == {
+        "loss_scale": 16384.0,
+        "good_steps": 6,
+        "hysteresis_tracker": 0,
+        "overflow_steps": 1,
+        "consecutive_overflows": 0,
+        "last_overflow_iteration": 1,
+        "step_applied": 1,
+        "iterations": 7,
+    }
