@@ -1,11 +1,24 @@
-"""Per-step overhead of tfmixprec's LossScaleOptimizer vs Keras's own, in `model.fit`.
+"""Per-step overhead of tfmixprec vs Keras's own LossScaleOptimizer, in `model.fit`.
 
-Same model, policy, data and batch for both; runs alternate in one process (A, B, A, B, ...)
-so drift in the machine hits both alike; the printed figure is the median of the paired
-ratios tfmixprec / Keras. A ratio of 1.00 means no overhead.
+Three variants, same model, policy, data and batch:
 
-    python benchmarks/overhead.py                      # float32 policy (CPU-friendly)
-    python benchmarks/overhead.py --policy mixed_float16 --width 1024   # on a GPU
+- `keras`: `keras.Model` + `keras.optimizers.LossScaleOptimizer` + plain `fit` (the baseline);
+- `optimizer`: `keras.Model` + `tfmixprec.LossScaleOptimizer` (Keras's own train_step);
+- `full`: `tfmixprec.MixedPrecisionModel` (its train_step and optimizer) + `LossScaleMonitor` +
+  `tfmixprec.TensorBoard` at its default `update_freq` ("epoch").
+
+Runs alternate in one process (A, B, C, C, B, A, ...) so drift hits all alike; the figures are
+the medians of the paired ratios to `keras`.
+
+Per-step time is measured inside each `fit` call, from the end of its first batch to the end
+of its last (a callback), so `fit`'s set-up and tear-down (which read the state once per
+`fit`/epoch) are not counted. Host syncs are counted in the same window by wrapping
+TensorFlow's one device-to-host read of an eager tensor (`EagerTensor._numpy`, behind
+`.numpy()`, `float()`, `int()`, `bool()` and `np.asarray`) with a counter, in this benchmark
+only: the difference to `keras` is what tfmixprec adds per step.
+
+    python benchmarks/overhead.py                       # mixed_bfloat16 (this CPU's policy)
+    python benchmarks/overhead.py --policy mixed_float16 --width 2048   # on a GPU
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ import argparse
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -21,46 +35,88 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from tensorflow.python.framework import ops as tf_ops  # noqa: E402
 
 import tfmixprec  # noqa: E402
 
-
-def build(width: int, depth: int, features: int) -> keras.Model:
-    layers = [keras.Input((features,))]
-    layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
-    layers += [keras.layers.Dense(10), keras.layers.Activation("softmax", dtype="float32")]
-    return keras.Sequential(layers)
+VARIANTS = ("keras", "optimizer", "full")
 
 
-def make_variant(kind: str, args: argparse.Namespace) -> keras.Model:
+class StepWindow(keras.callbacks.Callback):
+    """Times the steps between the end of batch 0 and the end of the last batch of a `fit`
+    call (so `fit`'s set-up and tear-down are not counted), and counts the device-to-host
+    reads of eager tensors in that window."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+        self.seconds = 0.0
+        self.syncs = 0
+        self._original = tf_ops._EagerTensorBase._numpy
+        self._start = 0.0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            self.syncs = 0
+            original = self._original
+
+            def counting(tensor):  # a plain function, so it binds to the tensor
+                self.syncs += 1
+                return original(tensor)
+
+            tf_ops._EagerTensorBase._numpy = counting
+            self._start = time.perf_counter()
+        elif batch == self.steps - 1:
+            self.seconds = time.perf_counter() - self._start
+            tf_ops._EagerTensorBase._numpy = self._original
+
+    def on_train_end(self, logs=None):
+        tf_ops._EagerTensorBase._numpy = self._original
+
+    @property
+    def per_step(self) -> float:
+        return self.seconds / (self.steps - 1)
+
+
+def build(kind: str, args: argparse.Namespace, log_dir: str):
     keras.utils.set_random_seed(0)
-    model = build(args.width, args.depth, args.features)
+    cls = tfmixprec.MixedPrecisionModel if kind == "full" else keras.Model
+    inputs = keras.Input((args.features,))
+    h = inputs
+    for _ in range(args.depth):
+        h = keras.layers.Dense(args.width, activation="relu")(h)
+    outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")(h)
+    model = cls(inputs, outputs)
     inner = keras.optimizers.Adam(1e-4)
     if kind == "keras":
         opt = keras.optimizers.LossScaleOptimizer(inner)
     else:
-        opt = tfmixprec.LossScaleOptimizer(inner)
+        opt = tfmixprec.LossScaleOptimizer(inner)  # dynamic, like Keras's
     model.compile(
         optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=args.jit_compile
     )
-    return model
+    callbacks = []
+    if kind == "full":
+        callbacks = [tfmixprec.LossScaleMonitor(), tfmixprec.TensorBoard(log_dir)]
+    return model, callbacks
 
 
-def time_fit(model: keras.Model, dataset: tf.data.Dataset, steps: int) -> float:
-    start = time.perf_counter()
-    model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
-    return (time.perf_counter() - start) / steps
+def run_fit(model, callbacks, dataset, steps: int) -> StepWindow:
+    window = StepWindow(steps)
+    # The window callback runs last, after the variant's own callbacks for each batch.
+    model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=callbacks + [window])
+    return window
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", default="float32")
-    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--policy", default="mixed_bfloat16")
+    parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--features", type=int, default=256)
+    parser.add_argument("--features", type=int, default=512)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=100, help="steps per timed run")
-    parser.add_argument("--repeats", type=int, default=15, help="paired runs")
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs per variant")
     parser.add_argument("--jit-compile", action="store_true")
     args = parser.parse_args(argv)
 
@@ -70,40 +126,48 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     y = rng.integers(0, 10, size=(args.batch * 8,)).astype("int32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat().prefetch(2)
 
-    models = {kind: make_variant(kind, args) for kind in ("keras", "tfmixprec")}
-    for model in models.values():  # trace and warm up
-        time_fit(model, dataset, max(5, args.steps // 5))
+    log_dir = tempfile.mkdtemp(prefix="tfmixprec-overhead-")
+    variants = {kind: build(kind, args, log_dir) for kind in VARIANTS}
+    for model, callbacks in variants.values():  # trace and warm up
+        run_fit(model, callbacks, dataset, max(5, args.steps // 5))
 
-    times: dict[str, list[float]] = {kind: [] for kind in models}
-    ratios = []
+    times: dict[str, list[float]] = {kind: [] for kind in VARIANTS}
+    syncs: dict[str, int] = {kind: 0 for kind in VARIANTS}
     for repeat in range(args.repeats):
-        order = list(models) if repeat % 2 == 0 else list(reversed(models))
+        order = VARIANTS if repeat % 2 == 0 else tuple(reversed(VARIANTS))
         for kind in order:
-            times[kind].append(time_fit(models[kind], dataset, args.steps))
-        ratios.append(times["tfmixprec"][-1] / times["keras"][-1])
-
-    result = {
-        "keras_ms": 1000 * statistics.median(times["keras"]),
-        "tfmixprec_ms": 1000 * statistics.median(times["tfmixprec"]),
-        "median_ratio": statistics.median(ratios),
+            model, callbacks = variants[kind]
+            window = run_fit(model, callbacks, dataset, args.steps)
+            times[kind].append(window.per_step)
+            syncs[kind] += window.syncs
+    ratios = {
+        kind: statistics.median(t / k for t, k in zip(times[kind], times["keras"]))
+        for kind in VARIANTS
     }
+
+    total_steps = args.repeats * (args.steps - 1)  # steps inside the timed windows
     print(
-        f"machine: {platform.machine()} {platform.processor() or ''} "
-        f"({os.cpu_count()} cores), devices: "
-        f"{[d.device_type for d in tf.config.list_physical_devices()]}"
-    )
-    print(
+        f"machine: {platform.machine()} ({os.cpu_count()} cores), devices: "
+        f"{[d.device_type for d in tf.config.list_physical_devices()]}; "
         f"tensorflow {tf.__version__}, keras {keras.__version__}, tfmixprec {tfmixprec.__version__}"
     )
     print(
-        f"policy={args.policy} width={args.width} depth={args.depth} batch={args.batch} "
-        f"steps/run={args.steps} repeats={args.repeats} jit_compile={args.jit_compile}"
+        f"policy={args.policy} MLP {args.depth}x{args.width} features={args.features} "
+        f"batch={args.batch} steps/run={args.steps} repeats={args.repeats} "
+        f"jit_compile={args.jit_compile}"
     )
-    print(f"Keras LossScaleOptimizer     : {result['keras_ms']:.3f} ms/step (median)")
-    print(f"tfmixprec LossScaleOptimizer : {result['tfmixprec_ms']:.3f} ms/step (median)")
-    print("ratios per pair: " + " ".join(f"{r:.3f}" for r in ratios))
-    print(f"median paired ratio tfmixprec/keras: {result['median_ratio']:.3f} (goal <= 1.02)")
-    return result
+    for kind in VARIANTS:
+        print(
+            f"{kind:10s} median {1000 * statistics.median(times[kind]):8.3f} ms/step   "
+            f"paired ratio to keras {ratios[kind]:.3f}   host syncs per step: "
+            f"{syncs[kind] / total_steps:.3f} ({(syncs[kind] - syncs['keras']) / total_steps:+.3f} "
+            "vs keras)"
+        )
+    print(
+        f"full-stack median paired ratio: {ratios['full']:.3f} (goal <= 1.02); "
+        f"optimizer only: {ratios['optimizer']:.3f}"
+    )
+    return {"ratios": ratios, "syncs_per_step": {k: v / total_steps for k, v in syncs.items()}}
 
 
 if __name__ == "__main__":

@@ -384,7 +384,7 @@ def test_make_train_step_trains_where_plain_float16_does_not():
     assert step.optimizer.dynamic is True
     for _ in range(3):
         logs = step(x, y)
-    assert set(logs) == {"loss", "loss_scale", "overflow"}
+    assert set(logs) == {"loss", "loss_scale", "overflow", "overflow_steps", "skipped_fraction"}
     assert float(logs["overflow"]) == 0.0 and float(logs["loss_scale"]) == 2.0**15
     assert not np.array_equal(before[0], model.weights[0].numpy())
     assert all(np.isfinite(w).all() for w in _weights(model))

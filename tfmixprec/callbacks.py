@@ -26,6 +26,7 @@ __all__ = [
     "loss_scale_optimizer_of",
 ]
 
+MONITOR_KEYS = ("loss_scale", "overflow_steps", "skipped_fraction")
 FLOAT16_TINIEST = 2.0**-24  # smallest float16 subnormal: below it, values flush to zero
 FLOAT16_SMALLEST_NORMAL = 2.0**-14
 FLOAT16_MAX = 65504.0
@@ -82,6 +83,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.events: list[str] = []
         self._step = 0
         self._reported = (0, None)
+        self._snapshot: Any = None
+        self._snapshot_of: Any = None
 
     def get_config(self) -> dict[str, Any]:
         return {"verbose": self.verbose, "log_every": self.log_every}
@@ -97,20 +100,31 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._reported = (state["overflow_steps"], state["loss_scale"])
 
     def _values(self, opt: LossScaleOptimizer) -> dict[str, Any]:
-        overflows = tf.cast(tf.convert_to_tensor(opt.overflow_steps), tf.float32)
-        applied = tf.cast(tf.convert_to_tensor(opt.iterations), tf.float32)
-        total = tf.maximum(overflows + applied, 1.0)
-        return {
-            "loss_scale": tf.cast(tf.convert_to_tensor(opt.loss_scale), tf.float32),
-            "overflow_steps": overflows,
-            "skipped_fraction": overflows / total,
-        }
+        # One compiled call per batch instead of several eager ops: the values stay on the
+        # device (tensors), nothing is read to the host here.
+        if self._snapshot is None or self._snapshot_of is not opt:
+
+            def snapshot() -> dict[str, tf.Tensor]:
+                overflows = tf.cast(tf.convert_to_tensor(opt.overflow_steps), tf.float32)
+                applied = tf.cast(tf.convert_to_tensor(opt.iterations), tf.float32)
+                return {
+                    "loss_scale": tf.cast(tf.convert_to_tensor(opt.loss_scale), tf.float32),
+                    "overflow_steps": overflows,
+                    "skipped_fraction": overflows / tf.maximum(overflows + applied, 1.0),
+                }
+
+            self._snapshot = tf.function(snapshot)
+            self._snapshot_of = opt
+        return self._snapshot()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
         opt = loss_scale_optimizer_of(self.model, "LossScaleMonitor")
         self._step += 1
-        logs.update(self._values(opt))
+        if not all(key in logs for key in MONITOR_KEYS):
+            # Keras's own train_step: compute them here (tfmixprec's returns them already,
+            # computed in the graph, which costs nothing per batch).
+            logs.update(self._values(opt))
         if self._step % self.log_every == 0:
             self._report(opt)
 

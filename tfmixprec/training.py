@@ -111,9 +111,13 @@ def read_now(value: Any) -> tf.Tensor:
 
 
 def _scale_logs(optimizer: Any, overflow: Any) -> dict[str, Any]:
+    overflows = ops.cast(read_now(optimizer.overflow_steps), "float32")
+    applied = ops.cast(read_now(optimizer.iterations), "float32")
     return {
         "loss_scale": ops.cast(read_now(optimizer.loss_scale), "float32"),
         "overflow": ops.cast(overflow, "float32"),
+        "overflow_steps": overflows,
+        "skipped_fraction": overflows / ops.maximum(overflows + applied, 1.0),
     }
 
 
@@ -304,7 +308,8 @@ def make_train_step(
 
     Returns:
         A `tf.function` `step(x, y, sample_weight=None)` returning
-        `{"loss", "loss_scale", "overflow"}`; its `optimizer` attribute is the wrapper used.
+        `{"loss", "loss_scale", "overflow", "overflow_steps", "skipped_fraction"}`; its
+        `optimizer` attribute is the wrapper used.
 
     Example:
 
