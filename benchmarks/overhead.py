@@ -28,7 +28,6 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -38,44 +37,34 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.python.framework import ops as tf_ops  # noqa: E402
 
 import tfmixprec  # noqa: E402
+from tfmixprec import bench  # noqa: E402
 
 VARIANTS = ("keras", "optimizer", "full")
 
 
-class StepWindow(keras.callbacks.Callback):
-    """Times the steps between the end of batch 0 and the end of the last batch of a `fit`
-    call (so `fit`'s set-up and tear-down are not counted), and counts the device-to-host
-    reads of eager tensors in that window."""
+class StepWindow(bench.StepTimer):
+    """`StepTimer` that also counts the device-to-host reads of eager tensors in its window."""
 
     def __init__(self, steps: int) -> None:
-        super().__init__()
-        self.steps = steps
-        self.seconds = 0.0
+        super().__init__(steps)
         self.syncs = 0
         self._original = tf_ops._EagerTensorBase._numpy
-        self._start = 0.0
 
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == 0:
-            self.syncs = 0
-            original = self._original
+    def window_open(self) -> None:
+        self.syncs = 0
+        original = self._original
 
-            def counting(tensor):  # a plain function, so it binds to the tensor
-                self.syncs += 1
-                return original(tensor)
+        def counting(tensor):  # a plain function, so it binds to the tensor
+            self.syncs += 1
+            return original(tensor)
 
-            tf_ops._EagerTensorBase._numpy = counting
-            self._start = time.perf_counter()
-        elif batch == self.steps - 1:
-            self.seconds = time.perf_counter() - self._start
-            tf_ops._EagerTensorBase._numpy = self._original
+        tf_ops._EagerTensorBase._numpy = counting
 
-    def on_train_end(self, logs=None):
+    def window_close(self) -> None:
         tf_ops._EagerTensorBase._numpy = self._original
 
-    @property
-    def per_step(self) -> float:
-        return self.seconds / (self.steps - 1)
+    def on_train_end(self, logs=None):
+        self.window_close()
 
 
 def build(kind: str, args: argparse.Namespace, log_dir: str):
@@ -102,10 +91,7 @@ def build(kind: str, args: argparse.Namespace, log_dir: str):
 
 
 def run_fit(model, callbacks, dataset, steps: int) -> StepWindow:
-    window = StepWindow(steps)
-    # The window callback runs last, after the variant's own callbacks for each batch.
-    model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=callbacks + [window])
-    return window
+    return bench.time_fit(model, dataset, steps, callbacks, timer=StepWindow(steps))
 
 
 def main(argv: list[str] | None = None) -> dict:

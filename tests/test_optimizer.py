@@ -397,13 +397,13 @@ def _overflow_at_min(on_min_scale, steps=3):
 
 
 def test_on_min_scale_warns_once():
-    with pytest.warns(RuntimeWarning, match=r"not finite at step 1 .*min_scale=1.0") as record:
+    with pytest.warns(RuntimeWarning, match=r"not finite at step 2 .*min_scale=1.0") as record:
         _overflow_at_min("warn", steps=4)
     assert len([w for w in record if "min_scale" in str(w.message)]) == 1
 
 
 def test_on_min_scale_raise_names_step():
-    with pytest.raises(FloatingPointError, match=r"not finite at step 1 .*min_scale=1.0"):
+    with pytest.raises(FloatingPointError, match=r"not finite at step 2 .*min_scale=1.0"):
         _overflow_at_min("raise")
 
 
@@ -565,3 +565,20 @@ def test_public_api_names_import():
         assert getattr(tfmixprec, name) is not None, name
     assert isinstance(tfmixprec.__version__, str)
     assert not math.isnan(float(tfmixprec.__version__.split(".")[0]))
+
+
+@pytest.mark.parametrize(
+    "values, finite",
+    [
+        ([1.0, -2.0, 0.0], True),
+        ([np.nan, 1.0], False),
+        ([np.inf, 1.0], False),
+        ([-np.inf, 1.0], False),
+        ([np.inf, -np.inf], False),  # Inf - Inf is NaN: still caught
+        ([3e38, 3e38], False),  # documented: a sum past float32's range reads as overflow
+    ],
+)
+def test_finite_check(values, finite):
+    opt = LossScaleOptimizer(keras.optimizers.SGD())
+    grads = [None, tf.constant(values, tf.float32), tf.constant([1.0], tf.bfloat16)]
+    assert bool(opt.check_finite(grads)) is finite

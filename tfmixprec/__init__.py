@@ -1,5 +1,6 @@
 """tfmixprec: safe, visible and fast mixed-precision training for Keras 3 on TensorFlow."""
 
+from tfmixprec import testing
 from tfmixprec._version import __version__
 from tfmixprec.audit import AuditReport
 from tfmixprec.audit import Finding
@@ -58,4 +59,5 @@ __all__ = [
     "make_train_step",
     "policy_scope",
     "set_policy",
+    "testing",
 ]

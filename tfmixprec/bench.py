@@ -20,7 +20,15 @@ from tfmixprec.hardware import detect_hardware
 from tfmixprec.policy import choose_policy, float32_outputs, policy_scope
 from tfmixprec.training import MixedPrecisionModel
 
-__all__ = ["MODELS", "BenchResult", "build_model", "run_bench", "format_table"]
+__all__ = [
+    "MODELS",
+    "BenchResult",
+    "StepTimer",
+    "build_model",
+    "time_fit",
+    "run_bench",
+    "format_table",
+]
 
 MODELS = ("mlp", "cnn", "transformer")
 
@@ -95,10 +103,56 @@ def build_model(model: str, size: int, cls: type = keras.Model) -> keras.Model:
     return built
 
 
-def _time_fit(model: keras.Model, dataset: tf.data.Dataset, steps: int) -> float:
-    start = time.perf_counter()
-    model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, shuffle=False)
-    return (time.perf_counter() - start) / steps
+class StepTimer(keras.callbacks.Callback):
+    """Times the steps of one `fit` call from the end of its first batch to the end of its
+    last, so tracing, `fit`'s set-up and its tear-down are not counted."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        if steps < 2:
+            raise ValueError(f"steps must be >= 2 to time a step. Received: steps={steps!r}")
+        self.steps = steps
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def window_open(self) -> None:
+        """Hook: called when the timed window opens (end of batch 0)."""
+
+    def window_close(self) -> None:
+        """Hook: called when the timed window closes (end of the last batch)."""
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if batch == 0:
+            self.window_open()
+            self._start = time.perf_counter()
+        elif batch == self.steps - 1:
+            self.seconds = time.perf_counter() - self._start
+            self.window_close()
+
+    @property
+    def per_step(self) -> float:
+        """Seconds per step inside the window."""
+        return self.seconds / (self.steps - 1)
+
+
+def time_fit(
+    model: keras.Model,
+    dataset: tf.data.Dataset,
+    steps: int,
+    callbacks: Sequence[Any] = (),
+    timer: StepTimer | None = None,
+) -> StepTimer:
+    """Runs `fit` for `steps` steps; returns the timer (its `per_step` is the figure)."""
+    timer = timer or StepTimer(steps)
+    model.fit(
+        dataset,
+        epochs=1,
+        steps_per_epoch=steps,
+        verbose=0,
+        shuffle=False,
+        callbacks=list(callbacks) + [timer],  # last: runs after the others for each batch
+    )
+    return timer
 
 
 def run_bench(
@@ -110,6 +164,7 @@ def run_bench(
     steps: int = 20,
     repeats: int = 3,
     float16_steps: int | None = None,
+    float16_batch: int | None = None,
 ) -> list[BenchResult]:
     """Times `fit` steps for each (policy, stack), alternating runs; returns medians.
 
@@ -124,13 +179,23 @@ def run_bench(
         repeats: Int. Timed runs per variant (the median is reported).
         float16_steps: Int. Steps per run for float16 variants on a machine without a GPU
             (float16 on a CPU is 16-70x slower); defaults to `steps`.
+        float16_batch: Int. Batch size for those variants (their samples/s is per sample, but
+            a smaller batch is less efficient, so it flatters float16 no more than float32);
+            defaults to `batch`.
 
     Returns:
         List of `BenchResult`, in the order of `policies` x `stacks`.
     """
     hardware = detect_hardware()
-    x, y = _data(model, batch, size)
-    dataset = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(2)
+    slow_float16 = not hardware.gpus and not hardware.tpus
+    datasets = {}
+
+    def dataset_for(n: int) -> tf.data.Dataset:
+        if n not in datasets:
+            x, y = _data(model, n, size)
+            datasets[n] = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(2)
+        return datasets[n]
+
     variants = []
     for policy in policies:
         resolved = choose_policy(hardware).name if policy == "auto" else policy
@@ -142,18 +207,20 @@ def run_bench(
                 net.compile(
                     optimizer=keras.optimizers.Adam(1e-4), loss="sparse_categorical_crossentropy"
                 )
-            n = steps
-            if resolved == "mixed_float16" and not hardware.gpus and float16_steps is not None:
-                n = float16_steps
-            _time_fit(net, dataset, max(2, n // 4))  # trace and warm up
-            variants.append((policy, resolved, stack, net, n))
+            n, b = steps, batch
+            if resolved == "mixed_float16" and slow_float16:
+                n = float16_steps or steps
+                b = float16_batch or batch
+            time_fit(net, dataset_for(b), max(2, n // 4))  # trace and warm up
+            variants.append((policy, resolved, stack, net, n, b))
     runs: dict[int, list[float]] = {i: [] for i in range(len(variants))}
     for repeat in range(repeats):
         order = range(len(variants)) if repeat % 2 == 0 else reversed(range(len(variants)))
         for i in order:
-            runs[i].append(_time_fit(variants[i][3], dataset, variants[i][4]))
+            _, _, _, net, n, b = variants[i]
+            runs[i].append(time_fit(net, dataset_for(b), n).per_step)
     results = []
-    for i, (policy, resolved, stack, _, _) in enumerate(variants):
+    for i, (policy, resolved, stack, _, _, b) in enumerate(variants):
         step_s = statistics.median(runs[i])
         results.append(
             BenchResult(
@@ -161,9 +228,9 @@ def run_bench(
                 policy=policy,
                 resolved_policy=resolved,
                 stack=stack,
-                batch=batch,
+                batch=b,
                 step_ms=1000 * step_s,
-                samples_per_s=batch / step_s,
+                samples_per_s=b / step_s,
                 runs_ms=[1000 * r for r in runs[i]],
             )
         )
@@ -176,8 +243,8 @@ def format_table(results: Sequence[BenchResult]) -> str:
         (r.model, r.stack): r.samples_per_s for r in results if r.resolved_policy == "float32"
     }
     header = (
-        f"{'model':12} {'policy':26} {'stack':10} {'ms/step':>9} {'samples/s':>10} "
-        f"{'vs float32':>10}"
+        f"{'model':12} {'policy':26} {'stack':10} {'batch':>6} {'ms/step':>10} "
+        f"{'samples/s':>10} {'vs float32':>10}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -185,8 +252,8 @@ def format_table(results: Sequence[BenchResult]) -> str:
         base = baseline.get((r.model, r.stack))
         ratio = f"{r.samples_per_s / base:.2f}x" if base else "-"
         lines.append(
-            f"{r.model:12} {name:26} {r.stack:10} {r.step_ms:9.2f} {r.samples_per_s:10.0f} "
-            f"{ratio:>10}"
+            f"{r.model:12} {name:26} {r.stack:10} {r.batch:6d} {r.step_ms:10.2f} "
+            f"{r.samples_per_s:10.1f} {ratio:>10}"
         )
     return "\n".join(lines)
 

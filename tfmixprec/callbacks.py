@@ -240,6 +240,7 @@ class OverflowGuard(keras.callbacks.Callback):
             loss = logs.get("loss")
             if loss is None or math.isfinite(float(loss)):
                 self._good_weights = self.model.get_weights()
+        opt.check_min_scale()  # on_min_scale="raise" raises here, "warn" warns once
         reason = None
         if consecutive >= self.max_consecutive:
             reason = (

@@ -209,6 +209,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         steps=args.steps,
         repeats=args.repeats,
         float16_steps=max(2, args.steps // 10),
+        float16_batch=min(args.batch_size, 16),
     )
     print(bench.format_table(results))
     return EXIT_OK

@@ -121,6 +121,24 @@ def _scale_logs(optimizer: Any, overflow: Any) -> dict[str, Any]:
     }
 
 
+class _MinScaleWatch(keras.callbacks.Callback):
+    """Reports a `min_scale` overflow (`on_min_scale`) every `every` batches and at epoch end,
+    so `"raise"` stops `fit` promptly instead of at its end. One scalar read per check."""
+
+    def __init__(self, every: int = 50) -> None:
+        super().__init__()
+        self.every = every
+        self._batches = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._batches += 1
+        if self._batches % self.every == 0:
+            self.model.optimizer.check_min_scale()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.model.optimizer.check_min_scale()
+
+
 class MixedPrecisionMixin:
     """Gives a Keras model class tfmixprec's mixed-precision `train_step` and `compile`.
 
@@ -154,6 +172,17 @@ class MixedPrecisionMixin:
             optimizer, _computes_in_float16(self), loss_scaling, accumulation_steps
         )
         super().compile(optimizer, *args, **kwargs)
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """`keras.Model.fit`, plus a check of `on_min_scale` every 50 batches."""
+        optimizer = getattr(self, "optimizer", None)
+        if (
+            isinstance(optimizer, LossScaleOptimizer)
+            and optimizer.on_min_scale != "ignore"
+            and len(args) < 6  # callbacks not given positionally
+        ):
+            kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [_MinScaleWatch()]
+        return super().fit(*args, **kwargs)
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         """Recompiles a loaded model (`keras.models.load_model`) through `compile`."""

@@ -1,0 +1,72 @@
+"""Smoke runs of the benchmark scripts at tiny sizes: they keep working. No timing is asserted."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(script, *args):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_overhead_smoke():
+    out = _run(
+        "overhead.py",
+        "--steps",
+        "4",
+        "--repeats",
+        "1",
+        "--width",
+        "16",
+        "--features",
+        "8",
+        "--batch",
+        "8",
+        "--policy",
+        "float32",
+    )
+    lines = out.splitlines()
+    assert any(line.startswith("full ") and "host syncs per step" in line for line in lines)
+    assert "full-stack median paired ratio:" in out
+
+
+def test_speedup_smoke():
+    out = _run(
+        "speedup.py",
+        "--models",
+        "mlp",
+        "transformer",
+        "--policies",
+        "float32",
+        "auto",
+        "--steps",
+        "3",
+        "--repeats",
+        "1",
+        "--scale",
+        "0.02",
+        "--batch",
+        "8",
+    )
+    assert "mlp (size 40, batch 8)" in out
+    assert "transformer (size 10, batch 8)" in out
+    assert out.count("1.00x") >= 4  # float32 rows of both stacks, both models
+
+
+def test_parity_smoke():
+    out = _run("parity.py", "--quick", "--tasks", "underflow", "--train-size", "256")
+    assert "| underflow | float32 | fp16 no scaling | fp16 fixed 128 | fp16 dynamic | bf16 |" in out
+    assert "| test accuracy (mean ± sd over seeds) |" in out
+    assert "| final loss scale | 1 | n/a | 128 | " in out

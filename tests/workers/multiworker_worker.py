@@ -1,0 +1,58 @@
+"""One worker of a 2-process MultiWorkerMirroredStrategy run on 127.0.0.1.
+
+TF_CONFIG comes from the environment. Worker 1's batch 2 is all Inf (worker 0's is clean):
+both workers must skip that step. Writes the final weights (.npz) and optimizer state (.json)
+to --out.
+"""
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tensorflow as tf  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    import keras
+    import numpy as np
+
+    import tfmixprec
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    rng = np.random.default_rng(task)  # different data on each worker
+    x = rng.normal(size=(args.steps * 8, 4)).astype("float32")
+    y = rng.normal(size=(args.steps * 8, 1)).astype("float32")
+    if task == 1:
+        x[2 * 8 : 3 * 8] = np.inf  # batch 2, on worker 1 only
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    dataset = dataset.with_options(options)
+
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(inputs))
+        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", loss_scaling="dynamic")
+    history = model.fit(dataset, epochs=1, verbose=0)
+    np.savez(
+        os.path.join(args.out, f"weights-{task}.npz"),
+        *[np.asarray(w.numpy()) for w in model.weights],
+    )
+    with open(os.path.join(args.out, f"state-{task}.json"), "w") as f:
+        json.dump(
+            {"state": model.optimizer.read_state(), "overflow_log": history.history["overflow"]}, f
+        )
+
+
+if __name__ == "__main__":
+    main()
