@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--features", type=int, default=512)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=100, help="steps per timed run")
-    parser.add_argument("--repeats", type=int, default=15, help="timed runs per variant")
+    parser.add_argument("--steps", type=int, default=30, help="steps per timed run")
+    parser.add_argument("--repeats", type=int, default=40, help="timed runs per variant")
     parser.add_argument("--jit-compile", action="store_true")
     args = parser.parse_args(argv)
 
@@ -148,6 +148,15 @@ def main(argv: list[str] | None = None) -> dict:
             f"paired ratio to keras {ratios[kind]:.3f}   host syncs per step: "
             f"{syncs[kind] / total_steps:.3f} ({(syncs[kind] - syncs['keras']) / total_steps:+.3f} "
             "vs keras)"
+        )
+    for kind in ("optimizer", "full"):
+        paired = sorted(t / k for t, k in zip(times[kind], times["keras"]))
+        q1, q3 = paired[len(paired) // 4], paired[(3 * len(paired)) // 4]
+        spread = statistics.median(times["keras"])
+        print(
+            f"{kind:10s} paired ratios: quartiles {q1:.3f} .. {q3:.3f}; keras alone varies "
+            f"{min(times['keras']) / spread:.2f} .. {max(times['keras']) / spread:.2f} "
+            "of its median"
         )
     print(
         f"full-stack median paired ratio: {ratios['full']:.3f} (goal <= 1.02); "

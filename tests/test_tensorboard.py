@@ -81,6 +81,8 @@ def test_update_freq_is_respected(tmp_path):
     acc = _events(tmp_path / "epoch")
     assert _series(acc, "mixed_precision/overflow") == [(0, 2.0), (1, 2.0)]
     assert _series(acc, "mixed_precision/overflow_steps") == [(0, 2.0), (1, 4.0)]
+    assert [step for step, _ in _series(acc, "epoch_loss")] == [0, 1]  # Keras's own, kept
+    assert "batch_loss" not in acc.Tags()["tensors"]
 
 
 def test_custom_scalars_layout_written(tmp_path):

@@ -132,7 +132,16 @@ class TensorBoard(keras.callbacks.TensorBoard):
             tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=0)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        super().on_train_batch_end(batch, logs)
+        keras_has_work = (
+            self.update_freq != "epoch"
+            or self._should_write_train_graph
+            or self._should_trace
+            or self.write_steps_per_second
+        )
+        if keras_has_work:
+            super().on_train_batch_end(batch, logs)
+        # else: with update_freq="epoch", Keras's callback would only issue per-batch
+        # summaries that its writer discards (about 0.1 ms each, every batch): skipped.
         measured = False
         if self.gradient_monitor is not None:
             measured = self.gradient_monitor.step(logs if isinstance(logs, dict) else None)

@@ -43,15 +43,24 @@ def main():
         outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(inputs))
         model = tfmixprec.MixedPrecisionModel(inputs, outputs)
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", loss_scaling="dynamic")
-    history = model.fit(dataset, epochs=1, verbose=0)
+
+    # Keras 3.15's fit() does not run under MultiWorkerMirroredStrategy on this stack (its
+    # symbolic build reduces a batch with strategy.reduce() in eager mode, which collective
+    # strategies refuse, and its log reduction fails on scalars): plain keras.Model included.
+    # So the steps run through tfmixprec's train_step directly, one strategy.run per batch.
+    @tf.function
+    def step(batch):
+        logs = strategy.run(model.train_step, args=(batch,))
+        return strategy.experimental_local_results(logs["overflow"])[0]
+
+    batches = strategy.experimental_distribute_dataset(dataset)
+    overflow_log = [float(step(batch)) for batch in batches]
     np.savez(
         os.path.join(args.out, f"weights-{task}.npz"),
         *[np.asarray(w.numpy()) for w in model.weights],
     )
     with open(os.path.join(args.out, f"state-{task}.json"), "w") as f:
-        json.dump(
-            {"state": model.optimizer.read_state(), "overflow_log": history.history["overflow"]}, f
-        )
+        json.dump({"state": model.optimizer.read_state(), "overflow_log": overflow_log}, f)
 
 
 if __name__ == "__main__":
