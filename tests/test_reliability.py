@@ -475,25 +475,25 @@ CATALOG = [
         "cli policy",
         lambda s: _cli("audit", "m.keras", "--policy", "fp8"),
         CLIError,
-        r"exit 2: .*'fp8'",
+        r"(?s)exit 2: .*'fp8'",
     ),
     (
         "cli missing file",
         lambda s: _cli("audit", str(s["folder"] / "nope.keras")),
         CLIError,
-        r"exit 2: .*nope.keras",
+        r"(?s)exit 2: .*nope.keras",
     ),
     (
         "cli not a model",
         lambda s: _cli("audit", str(s["folder"] / "notes.txt")),
         CLIError,
-        r"exit 2: .*notes.txt'? is not a Keras model",
+        r"(?s)exit 2: .*notes.txt'? is not a Keras model",
     ),
     (
         "cli corrupt keras",
         lambda s: _cli("audit", str(s["folder"] / "corrupt.keras")),
         CLIError,
-        r"exit 2: .*could not load .*corrupt.keras",
+        r"(?s)exit 2: .*could not load .*corrupt.keras",
     ),
 ]
 
