@@ -7,6 +7,8 @@ Used by `tfmixprec bench` and `benchmarks/speedup.py`. Runs alternate between th
 from __future__ import annotations
 
 import dataclasses
+import os
+import platform
 import statistics
 import time
 from collections.abc import Sequence
@@ -261,9 +263,6 @@ def format_table(results: Sequence[BenchResult]) -> str:
 def describe_machine() -> dict[str, Any]:
     """The facts a benchmark result needs next to it."""
     hw = detect_hardware()
-    import os
-    import platform
-
     return {
         "cpu": hw.cpu_name,
         "cores": os.cpu_count(),

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.optimizer import LossScaleOptimizer, gradient_values
 
 __all__ = [
     "LossScaleMonitor",
@@ -337,13 +337,9 @@ def gradient_range_stats(grads: Sequence[Any]) -> GradientRangeStats:
     >>> stats.underflow_fraction
     0.25
     """
-    parts = []
-    for grad in grads:
-        if grad is None:
-            continue
-        if isinstance(grad, tf.IndexedSlices):
-            grad = grad.values
-        parts.append(np.abs(np.asarray(tf.cast(grad, tf.float32)).ravel()))
+    parts = [
+        np.abs(np.asarray(tf.cast(grad, tf.float32)).ravel()) for grad in gradient_values(grads)
+    ]
     values = np.concatenate(parts) if parts else np.zeros((0,), np.float32)
     count = int(values.size)
     if count == 0:

@@ -123,6 +123,11 @@ def _divide_grad(grad: Any, scale: tf.Tensor) -> Any:
     return tf.cast(tf.cast(grad, tf.float32) / scale, grad.dtype)
 
 
+def gradient_values(grads: Sequence[Any]) -> list[Any]:
+    """The dense value tensors of `grads`: `None` dropped, `tf.IndexedSlices` as their values."""
+    return [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+
+
 def _all_finite(grads: Sequence[Any]) -> tf.Tensor:
     """True if no gradient holds an Inf or NaN.
 
@@ -131,13 +136,7 @@ def _all_finite(grads: Sequence[Any]) -> tf.Tensor:
     a diverged model) also reads as non-finite. This is about twice as fast as
     `reduce_all(is_finite(g))`, which writes a boolean copy of every gradient first.
     """
-    sums = []
-    for grad in grads:
-        if grad is None:
-            continue
-        if isinstance(grad, tf.IndexedSlices):
-            grad = grad.values
-        sums.append(tf.reduce_sum(tf.cast(grad, tf.float32)))
+    sums = [tf.reduce_sum(tf.cast(grad, tf.float32)) for grad in gradient_values(grads)]
     if not sums:
         return tf.constant(True)
     return tf.reduce_all(tf.math.is_finite(tf.stack(sums)))

@@ -48,7 +48,8 @@ def ensure_loss_scale_optimizer(
 ) -> LossScaleOptimizer:
     """Returns a tfmixprec `LossScaleOptimizer` for `optimizer`, never wrapping twice.
 
-    A tfmixprec optimizer is returned as it is. Keras's own (unbuilt) `LossScaleOptimizer` is
+    A tfmixprec optimizer is returned as it is (an unbuilt one with `accumulation_steps=1`
+    takes the `accumulation_steps` asked for here). Keras's own (unbuilt) `LossScaleOptimizer` is
     replaced by a tfmixprec one with the same inner optimizer and settings. Anything else is
     wrapped: with a dynamic scale for float16 (`loss_scaling="auto"` or `"dynamic"`), and with
     a fixed scale of 1 otherwise (no scaling, but Inf/NaN steps are still skipped and counted).
