@@ -103,17 +103,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         # One compiled call per batch instead of several eager ops: the values stay on the
         # device (tensors), nothing is read to the host here.
         if self._snapshot is None or self._snapshot_of is not opt:
-
-            def snapshot() -> dict[str, tf.Tensor]:
-                overflows = tf.cast(tf.convert_to_tensor(opt.overflow_steps), tf.float32)
-                applied = tf.cast(tf.convert_to_tensor(opt.iterations), tf.float32)
-                return {
-                    "loss_scale": tf.cast(tf.convert_to_tensor(opt.loss_scale), tf.float32),
-                    "overflow_steps": overflows,
-                    "skipped_fraction": overflows / tf.maximum(overflows + applied, 1.0),
-                }
-
-            self._snapshot = tf.function(snapshot)
+            self._snapshot = tf.function(opt.state_logs)
             self._snapshot_of = opt
         return self._snapshot()
 

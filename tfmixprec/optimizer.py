@@ -36,6 +36,15 @@ def _pending_ids() -> set[int]:
     return pending
 
 
+def read_now(value: Any) -> tf.Tensor:
+    """Reads a (Keras) variable here, in program order: converting a Keras variable returns the
+    variable itself, whose read a `tf.function` may then place after later writes. Tensors
+    pass through."""
+    if isinstance(value, keras.Variable):
+        return value.value.read_value()
+    return tf.convert_to_tensor(value)
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -357,6 +366,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def good_steps(self) -> Any:
         """Clean steps since the scale last changed (the growth counter)."""
         return self._state_or_default("step_counter", 0, tf.int64)
+
+    def state_logs(self) -> dict[str, tf.Tensor]:
+        """The state as float32 tensors for training logs, read here in program order.
+
+        No host read: safe inside a step (after `apply`, the values include that step).
+
+        Returns:
+            Dict with `loss_scale`, `overflow_steps` and `skipped_fraction` (overflow steps
+            over all steps attempted).
+        """
+        overflows = tf.cast(read_now(self.overflow_steps), tf.float32)
+        applied = tf.cast(read_now(self.iterations), tf.float32)
+        return {
+            "loss_scale": tf.cast(read_now(self.loss_scale), tf.float32),
+            "overflow_steps": overflows,
+            "skipped_fraction": overflows / tf.maximum(overflows + applied, 1.0),
+        }
 
     def read_state(self) -> dict[str, float | int]:
         """Reads the scale state to the host, as Python numbers (also under tf.distribute).

@@ -17,7 +17,7 @@ from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 
-from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.optimizer import LossScaleOptimizer, read_now
 
 __all__ = [
     "MixedPrecisionMixin",
@@ -103,23 +103,12 @@ def ensure_loss_scale_optimizer(
     )
 
 
-def read_now(value: Any) -> tf.Tensor:
-    """Reads a (Keras) variable here, in program order (a plain conversion may be reordered
-    after later writes inside a `tf.function`); tensors pass through."""
-    if isinstance(value, keras.Variable):
-        return value.value.read_value()
-    return tf.convert_to_tensor(value)
-
-
-def _scale_logs(optimizer: Any, overflow: Any) -> dict[str, Any]:
-    overflows = ops.cast(read_now(optimizer.overflow_steps), "float32")
-    applied = ops.cast(read_now(optimizer.iterations), "float32")
-    return {
-        "loss_scale": ops.cast(read_now(optimizer.loss_scale), "float32"),
-        "overflow": ops.cast(overflow, "float32"),
-        "overflow_steps": overflows,
-        "skipped_fraction": overflows / ops.maximum(overflows + applied, 1.0),
-    }
+def _scale_logs(optimizer: LossScaleOptimizer, overflows_before: Any) -> dict[str, Any]:
+    """`loss_scale`, `overflow` (1.0 if this step was skipped), `overflow_steps` and
+    `skipped_fraction`, read after the step's `apply`."""
+    logs = optimizer.state_logs()
+    logs["overflow"] = tf.cast(logs["overflow_steps"] > overflows_before, tf.float32)
+    return logs
 
 
 class _MinScaleWatch(keras.callbacks.Callback):
@@ -216,17 +205,15 @@ class MixedPrecisionMixin:
             )
             scaled_loss = optimizer.scale_loss(loss)
         trainable = self.trainable_weights
-        overflows_before = read_now(optimizer.overflow_steps)
+        overflows_before = tf.cast(read_now(optimizer.overflow_steps), tf.float32)
         if trainable:
             grads = tape.gradient(scaled_loss, trainable)
             grads = optimizer.get_unscaled_gradients(grads)
             # Clipping (the inner optimizer's clipnorm/global_clipnorm/clipvalue) happens in
             # the inner optimizer's apply, on these unscaled gradients.
             optimizer.apply(grads, trainable)
-        overflow = ops.greater(read_now(optimizer.overflow_steps), overflows_before)
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        logs = dict(logs)
-        logs.update(_scale_logs(optimizer, overflow))
+        logs = dict(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+        logs.update(_scale_logs(optimizer, overflows_before))
         return logs
 
 
@@ -365,12 +352,11 @@ def make_train_step(
                 loss = loss_fn(y, y_pred, sample_weight)
             loss = ops.cast(loss, "float32")
         variables = model.trainable_variables
-        overflows_before = read_now(optimizer.overflow_steps)
+        overflows_before = tf.cast(read_now(optimizer.overflow_steps), tf.float32)
         grads = _unscaled_gradients(tape, loss, variables, optimizer)
         optimizer.apply(grads, variables)
-        overflow = ops.greater(read_now(optimizer.overflow_steps), overflows_before)
         logs = {"loss": loss}
-        logs.update(_scale_logs(optimizer, overflow))
+        logs.update(_scale_logs(optimizer, overflows_before))
         return logs
 
     compiled = tf.function(step, jit_compile=jit_compile)
