@@ -390,7 +390,7 @@ CATALOG = [
     (
         "double wrap",
         lambda s: LossScaleOptimizer(s["opt"]),
-        ValueError,
+        TypeError,
         r"already a LossScaleOptimizer",
     ),
     # policy names and models of the wrong kind

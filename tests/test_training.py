@@ -462,3 +462,46 @@ def test_functional_and_subclassed_uses_do_not_interfere():
 
     named = Named(inputs, outputs, name="n")
     assert named.describe() == "n has 2 layers"
+
+
+# ------------------------------------------------------------------ float8 layers
+def _float8_model(cls):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = cls(inputs, keras.layers.Dense(4)(hidden))
+    model.quantize("float8")  # scale/amax variables whose "gradients" are new values
+    return model
+
+
+def _float8_step(entry, model, x, y):
+    opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=1024.0)
+    if entry == "fit":
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
+    elif entry == "make_train_step":
+        tfmixprec.make_train_step(model, keras.losses.MeanSquaredError(), opt)(x, y)
+    else:
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+            variables = model.trainable_variables
+            grads, _ = tfmixprec.compute_unscaled_gradients(tape, loss, variables, opt)
+            opt.apply(grads, variables)
+
+        step(x, y)
+
+
+@pytest.mark.parametrize("entry", ["fit", "make_train_step", "compute_unscaled_gradients"])
+def test_float8_layers_train_as_under_plain_keras(entry):
+    # At lr 0 only the float8 scale/amax variables change; Keras overwrites them with their
+    # "gradients", which must not be divided by the loss scale.
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(16, 8).astype("float32"), rng.randn(16, 4).astype("float32")
+    cls = tfmixprec.MixedPrecisionModel if entry == "fit" else keras.Model
+    model = _float8_model(cls)
+    before = model.predict(x, verbose=0)
+    _float8_step(entry, model, x, y)
+    np.testing.assert_array_equal(model.predict(x, verbose=0), before)

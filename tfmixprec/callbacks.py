@@ -15,7 +15,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmixprec.optimizer import LossScaleOptimizer, gradient_values
+from tfmixprec._validate import check_int_at_least_one
+from tfmixprec.loss_scale import LOG_KEYS, gradient_values
+from tfmixprec.optimizer import LossScaleOptimizer
 
 __all__ = [
     "LossScaleMonitor",
@@ -26,7 +28,7 @@ __all__ = [
     "loss_scale_optimizer_of",
 ]
 
-MONITOR_KEYS = ("loss_scale", "overflow_steps", "skipped_fraction")
+MONITOR_KEYS = LOG_KEYS
 FLOAT16_TINIEST = 2.0**-24  # smallest float16 subnormal: below it, values flush to zero
 FLOAT16_SMALLEST_NORMAL = 2.0**-14
 FLOAT16_MAX = 65504.0
@@ -50,15 +52,9 @@ def format_scale(scale: float) -> str:
     return str(int(scale)) if scale >= 1 and float(scale).is_integer() else f"{scale:g}"
 
 
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1. Received: {name}={value!r}")
-    return value
-
-
 @keras.saving.register_keras_serializable(package="tfmixprec")
 class LossScaleMonitor(keras.callbacks.Callback):
-    """Adds `loss_scale`, `overflow_steps` and `skipped_fraction` to the logs.
+    """Adds `loss_scale`, `overflow`, `overflow_steps` and `skipped_fraction` to the logs.
 
     At every batch end the values are added as tensors read from the optimizer (no host
     sync); at epoch end as Python floats. With `verbose=1`, every `log_every` batches it
@@ -79,7 +75,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if verbose not in (0, 1):
             raise ValueError(f"verbose must be 0 or 1. Received: verbose={verbose!r}")
         self.verbose = verbose
-        self.log_every = _check_positive_int("log_every", log_every)
+        self.log_every = check_int_at_least_one("log_every", log_every)
         self.events: list[str] = []
         self._step = 0
         self._reported = (0, None)
@@ -103,7 +99,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         # One compiled call per batch instead of several eager ops: the values stay on the
         # device (tensors), nothing is read to the host here.
         if self._snapshot is None or self._snapshot_of is not opt:
-            self._snapshot = tf.function(opt.state_logs)
+            self._snapshot = tf.function(opt.snapshot)
             self._snapshot_of = opt
         return self._snapshot()
 
@@ -175,9 +171,9 @@ class OverflowGuard(keras.callbacks.Callback):
         verbose: int = 1,
     ) -> None:
         super().__init__()
-        self.patience = _check_positive_int("patience", patience)
-        self.max_consecutive = _check_positive_int("max_consecutive", max_consecutive)
-        self.check_every = _check_positive_int("check_every", check_every)
+        self.patience = check_int_at_least_one("patience", patience)
+        self.max_consecutive = check_int_at_least_one("max_consecutive", max_consecutive)
+        self.check_every = check_int_at_least_one("check_every", check_every)
         for name, value in (("restore_weights", restore_weights), ("raise_error", raise_error)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False. Received: {name}={value!r}")
@@ -395,7 +391,7 @@ class GradientRangeMonitor(keras.callbacks.Callback):
                 f"Received: data of type {type(data).__name__}"
             )
         self.data = tuple(data)
-        self.every_n_steps = _check_positive_int("every_n_steps", every_n_steps)
+        self.every_n_steps = check_int_at_least_one("every_n_steps", every_n_steps)
         self.layers = list(layers or [])
         self.loss_fn = loss_fn
         self.weight_stats: GradientRangeStats | None = None

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfmixprec._validate import check_int_at_least_one
+
 __all__ = ["FaultInjector"]
 
 
@@ -45,10 +47,7 @@ class FaultInjector:
         seed: int = 0,
         value: float = float("nan"),
     ) -> None:
-        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ValueError(
-                f"total_steps must be an integer >= 1. Received: total_steps={total_steps!r}"
-            )
+        total_steps = check_int_at_least_one("total_steps", total_steps)
         if (steps is None) == (rate is None):
             raise ValueError(
                 "Pass exactly one of steps (which steps to corrupt) or rate (a random "

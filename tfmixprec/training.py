@@ -1,8 +1,10 @@
 """The mixed-precision `train_step` for `model.fit`, and helpers for GradientTape loops.
 
-The step: forward pass under the model's policy, loss in float32, gradients of the scaled loss,
-unscaled in float32, one finite check, clipping (the inner optimizer's) after unscaling, then
-apply or skip through the optimizer's state machine. The logs gain `loss_scale` and `overflow`.
+The step is Keras's own: forward pass under the model's policy, loss in float32, scaled by
+`optimizer.scale_loss`; `optimizer.apply` unscales in float32, checks once for Inf/NaN, clips
+(the inner optimizer's clipping) after unscaling, then applies or skips through the loss-scale
+state machine. The logs gain the optimizer's `snapshot()`: `loss_scale`, `overflow`,
+`overflow_steps`, `skipped_fraction`.
 """
 
 from __future__ import annotations
@@ -13,11 +15,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 from keras import ops
-from keras.src.losses.loss import unscale_loss_for_distribution
-from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
 
-from tfmixprec.optimizer import LossScaleOptimizer, read_now
+from tfmixprec._keras_compat import Functional, all_sublayers, functional_init_arguments
+from tfmixprec.optimizer import LossScaleOptimizer
 
 __all__ = [
     "MixedPrecisionMixin",
@@ -34,10 +34,7 @@ LOSS_SCALING = ("auto", "dynamic", "none")
 def _computes_in_float16(model: Any) -> bool:
     if model.dtype_policy.compute_dtype == "float16":
         return True
-    return any(
-        layer.dtype_policy.compute_dtype == "float16"
-        for layer in model._flatten_layers(include_self=False, recursive=True)
-    )
+    return any(layer.dtype_policy.compute_dtype == "float16" for layer in all_sublayers(model))
 
 
 def ensure_loss_scale_optimizer(
@@ -101,14 +98,6 @@ def ensure_loss_scale_optimizer(
         dynamic=False,
         accumulation_steps=accumulation_steps,
     )
-
-
-def _scale_logs(optimizer: LossScaleOptimizer, overflows_before: Any) -> dict[str, Any]:
-    """`loss_scale`, `overflow` (1.0 if this step was skipped), `overflow_steps` and
-    `skipped_fraction`, read after the step's `apply`."""
-    logs = optimizer.state_logs()
-    logs["overflow"] = tf.cast(logs["overflow_steps"] > overflows_before, tf.float32)
-    return logs
 
 
 class _MinScaleWatch(keras.callbacks.Callback):
@@ -182,38 +171,15 @@ class MixedPrecisionMixin:
             self.optimizer.build(self.trainable_variables)  # so saved slots can be loaded
 
     def train_step(self, data: Any) -> dict[str, Any]:
-        """One mixed-precision training step (see the class docstring)."""
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        optimizer = self.optimizer
-        if not isinstance(optimizer, LossScaleOptimizer):
+        """Keras's own `train_step` (it scales the loss with `optimizer.scale_loss` and
+        `optimizer.apply` unscales, checks and applies or skips), plus the loss-scale logs."""
+        if not isinstance(self.optimizer, LossScaleOptimizer):
             raise TypeError(
                 "MixedPrecisionModel.train_step needs a tfmixprec.LossScaleOptimizer; compile "
-                f"the model with compile(). Received: optimizer={optimizer!r}"
+                f"the model with compile(). Received: optimizer={self.optimizer!r}"
             )
-        with tf.GradientTape() as tape:
-            if self._call_has_training_arg:
-                y_pred = self(x, training=True)
-            else:
-                y_pred = self(x)
-            loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
-            loss = ops.cast(loss, "float32")
-            self._loss_tracker.update_state(
-                unscale_loss_for_distribution(loss),
-                sample_weight=tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0],
-            )
-            scaled_loss = optimizer.scale_loss(loss)
-        trainable = self.trainable_weights
-        overflows_before = tf.cast(read_now(optimizer.overflow_steps), tf.float32)
-        if trainable:
-            grads = tape.gradient(scaled_loss, trainable)
-            grads = optimizer.get_unscaled_gradients(grads)
-            # Clipping (the inner optimizer's clipnorm/global_clipnorm/clipvalue) happens in
-            # the inner optimizer's apply, on these unscaled gradients.
-            optimizer.apply(grads, trainable)
-        logs = dict(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
-        logs.update(_scale_logs(optimizer, overflows_before))
+        logs = dict(super().train_step(data))
+        logs.update(self.optimizer.snapshot())
         return logs
 
 
@@ -292,19 +258,13 @@ def compute_unscaled_gradients(
             f"tfmixprec.LossScaleOptimizer(opt)). Received: optimizer of type "
             f"{type(optimizer).__name__}"
         )
-    grads = _unscaled_gradients(tape, loss, variables, optimizer)
-    return grads, optimizer.check_finite(grads)
-
-
-def _unscaled_gradients(
-    tape: tf.GradientTape, loss: Any, variables: Sequence[Any], optimizer: LossScaleOptimizer
-) -> list[Any]:
     if not optimizer.built:
         optimizer.build(list(variables))
     loss = ops.cast(loss, "float32")
     seed = ops.cast(optimizer.loss_scale, "float32")
     grads = tape.gradient(loss, variables, output_gradients=seed)
-    return optimizer.get_unscaled_gradients(grads)
+    grads = optimizer.get_unscaled_gradients(grads, variables)
+    return grads, optimizer.check_finite(grads)
 
 
 def make_train_step(
@@ -350,14 +310,10 @@ def make_train_step(
                 loss = loss_fn(y, y_pred)
             else:
                 loss = loss_fn(y, y_pred, sample_weight)
-            loss = ops.cast(loss, "float32")
+            scaled_loss = optimizer.scale_loss(loss)
         variables = model.trainable_variables
-        overflows_before = tf.cast(read_now(optimizer.overflow_steps), tf.float32)
-        grads = _unscaled_gradients(tape, loss, variables, optimizer)
-        optimizer.apply(grads, variables)
-        logs = {"loss": loss}
-        logs.update(_scale_logs(optimizer, overflows_before))
-        return logs
+        optimizer.apply(tape.gradient(scaled_loss, variables), variables)
+        return {"loss": ops.cast(loss, "float32"), **optimizer.snapshot()}
 
     compiled = tf.function(step, jit_compile=jit_compile)
     compiled.optimizer = optimizer

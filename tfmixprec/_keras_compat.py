@@ -1,0 +1,76 @@
+"""Every use of Keras internals (`keras.src`, private attributes and hooks), each with its reason.
+
+A Keras release that changes one of these touches this file only. Minimum versions: see
+`pyproject.toml` (CI also runs the optimizer and training tests on them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+# Why: Keras makes `Model(inputs, outputs)` functional by rewriting the class's bases in
+# place; `MixedPrecisionModel.__new__` routes functional use to its own subclass instead, so
+# it needs Keras's test for functional arguments and the Functional class.
+from keras.src.models.functional import Functional  # noqa: F401  (re-exported)
+from keras.src.models.model import functional_init_arguments  # noqa: F401  (re-exported)
+
+# Why: the optimizer's `build` sets attributes that Keras's tracker must not collect twice
+# (the parent `LossScaleOptimizer.build` is decorated the same way).
+from keras.src.utils.tracking import no_automatic_dependency_tracking  # noqa: F401
+
+__all__ = [
+    "Functional",
+    "KerasLossScaleHooks",
+    "all_sublayers",
+    "functional_init_arguments",
+    "no_automatic_dependency_tracking",
+]
+
+
+def all_sublayers(model: Any) -> list[Any]:
+    """Every layer inside `model`, nested ones included, in Keras's own order.
+
+    Why: `Layer._flatten_layers` is the only walk that reaches layers nested in subclassed
+    models and in attributes; there is no public equivalent.
+    """
+    return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
+    """Keras's `LossScaleOptimizer`, with its private hooks mapped onto named methods.
+
+    Why: Keras's `apply` (`_tf_apply`) does the finite check and the apply/skip `cond` itself,
+    in a cross-replica context under strategies that need `merge_call`; a `cond` in replica
+    context whose branch calls the inner optimizer is not allowed. So tfmixprec extends the
+    parent through its hooks instead of replacing `apply`. Subclasses implement
+    `apply_finite_step` and `skip_step`.
+    """
+
+    def apply_finite_step(self, grads: Sequence[Any], trainable_variables: Any) -> None:
+        raise NotImplementedError
+
+    def skip_step(self) -> None:
+        raise NotImplementedError
+
+    # Keras's hooks (called from `LossScaleOptimizer._common_apply` / `_tf_apply`).
+    def _stateful_handle_finite_grads(self, grads: Sequence[Any], trainable_variables: Any) -> None:
+        self.apply_finite_step(grads, trainable_variables)
+
+    def _stateful_handle_non_finite_grads(self) -> None:
+        self.skip_step()
+
+    # Why: Keras keeps these as private helpers of the base optimizer.
+    def tracked_variables(self) -> list[Any]:
+        """The variables the optimizer was built with."""
+        return list(self._trainable_variables)
+
+    def variable_index(self, variable: Any) -> int:
+        """The position of `variable` among `tracked_variables()`."""
+        return self._get_variable_index(variable)
+
+    def overwrites_with_gradient(self, variable: Any) -> bool:
+        """True for variables whose "gradient" is a new value (float8 scale/amax variables)."""
+        return bool(self._overwrite_variable_with_gradient(variable))

@@ -1,0 +1,90 @@
+"""Gradient accumulation for `LossScaleOptimizer`: one applied step per window of micro-batches.
+
+The window's unscaled gradients are summed in float32 variables; when the window is full their
+mean goes through the optimizer's one finite check and is applied (or skipped) once. A
+micro-batch with an Inf/NaN spoils the whole window: it reaches the finite check as a NaN, so
+the window is skipped and the scale backs off once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+__all__ = ["GradientAccumulator"]
+
+
+class GradientAccumulator(tf.Module):
+    """The accumulation state (variables) and the per-micro-batch update.
+
+    Args:
+        steps: Int >= 2. Micro-batches per applied step.
+        add_variable: Callable `(name, shape, dtype, initial_value) -> variable`, the
+            optimizer's (so checkpoints carry a half-full window).
+        var_list: List of variables. One float32 sum is made for each.
+    """
+
+    def __init__(
+        self, steps: int, add_variable: Callable[..., Any], var_list: Sequence[Any]
+    ) -> None:
+        super().__init__(name="gradient_accumulator")
+        self.steps = steps
+        self.micro_step = add_variable("micro_step", (), "int", 0)
+        self.window_finite = add_variable("window_finite", (), "int", 1)
+        self.sums = [
+            add_variable("accumulated_gradient", tuple(v.shape), "float32", 0.0) for v in var_list
+        ]
+
+    def add(
+        self,
+        grads: Sequence[Any],
+        sums: Sequence[Any],
+        finite: tf.Tensor,
+        apply_window: Callable[[list[Any]], None],
+    ) -> None:
+        """Adds one micro-batch; at the end of the window, applies the mean and starts over.
+
+        Args:
+            grads: Unscaled gradients (`None` for a variable without one this micro-batch).
+            sums: The sum variable of each gradient's variable.
+            finite: Scalar bool. Whether this micro-batch's gradients are finite (everywhere).
+            apply_window: Called with the window's mean gradient of every variable, in the
+                order of `build`'s `var_list`, at the end of the window.
+        """
+        strategy = tf.distribute.get_strategy()
+        if strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "accumulation_steps > 1 is not supported under a tf.distribute strategy with "
+                f"{strategy.num_replicas_in_sync} replicas yet. Use accumulation_steps=1 and a "
+                f"larger global batch instead. Received: accumulation_steps={self.steps!r}"
+            )
+        for total, grad in zip(sums, grads):
+            if grad is None:
+                continue
+            if isinstance(grad, tf.IndexedSlices):
+                values = tf.where(finite, tf.cast(grad.values, tf.float32), 0.0)
+                total.value.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
+            else:
+                total.assign_add(tf.where(finite, tf.cast(grad, tf.float32), 0.0))
+        self.window_finite.assign(tf.where(finite, self.window_finite.value, 0))
+        self.micro_step.assign_add(1)
+        keras.ops.cond(
+            self.micro_step.value >= self.steps,
+            lambda: self._end_window(apply_window),
+            lambda: None,
+        )
+
+    def _end_window(self, apply_window: Callable[[list[Any]], None]) -> None:
+        means = [total.value / float(self.steps) for total in self.sums]
+        if means:
+            # A spoiled window reaches the one finite check as a NaN: skipped, backed off once.
+            ok = tf.equal(self.window_finite.value, 1)
+            means[0] = tf.where(ok, means[0], float("nan"))
+        apply_window(means)
+        for total in self.sums:
+            total.assign(tf.zeros_like(total.value))
+        self.micro_step.assign(0)
+        self.window_finite.assign(1)

@@ -1,0 +1,363 @@
+"""The loss-scale state machine as one unit: config, state, and the functions over them.
+
+`LossScaleConfig` is frozen and validated. `LossScale` holds the state as variables and has
+the small functions a step needs: `scale(loss)`, `unscale(grads, divisor)`, `all_finite(grads)`,
+`adjust(finite, iteration)` (the transition, as graph ops) and `snapshot(iterations)`, the one
+reader of the values every other part of tfmixprec shows (loss scale, whether the last step
+overflowed, total overflow steps, skipped fraction). Nothing else computes those values.
+
+`UnscaleLedger` holds the unscaling contract (see `LossScaleOptimizer.get_unscaled_gradients`)
+in per-replica variables, so it holds at run time: across `tf.function`s, threads and replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfmixprec._validate import check_float32_scale, check_int_at_least_one, is_number
+
+__all__ = ["LOG_KEYS", "LossScale", "LossScaleConfig", "UnscaleLedger"]
+
+# The values `snapshot()` returns; `fit` logs and callbacks show these and only these.
+LOG_KEYS = ("loss_scale", "overflow", "overflow_steps", "skipped_fraction")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+    """The knobs of a dynamic or fixed loss scale, validated on creation.
+
+    Args:
+        initial_scale: Float. The first (or, with `dynamic=False`, the only) scale.
+        dynamic: Bool. `False` keeps the scale at `initial_scale`; the bounds then do not apply.
+        growth_interval: Int >= 1. Clean steps before the scale grows (dynamic only).
+        growth_factor: Float > 1. Multiplier on growth.
+        backoff_factor: Float in (0, 1). Multiplier on backoff.
+        min_scale: Float. The scale never backs off below this.
+        max_scale: Float. The scale never grows above this.
+        hysteresis: Int >= 1. Overflows (since the last growth) before the scale backs off.
+
+    Raises:
+        ValueError: For a value out of range, naming it.
+        TypeError: For a `dynamic` that is not a bool.
+    """
+
+    initial_scale: float = 2.0**15
+    dynamic: bool = True
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    hysteresis: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dynamic, bool):
+            raise TypeError(f"dynamic must be True or False. Received: dynamic={self.dynamic!r}")
+        fields = {
+            "initial_scale": check_float32_scale("initial_scale", self.initial_scale),
+            "growth_interval": check_int_at_least_one("growth_interval", self.growth_interval),
+            "hysteresis": check_int_at_least_one("hysteresis", self.hysteresis),
+            "min_scale": check_float32_scale("min_scale", self.min_scale),
+            "max_scale": check_float32_scale("max_scale", self.max_scale),
+        }
+        if not is_number(self.growth_factor) or not (1 < self.growth_factor < 2.0**64):
+            raise ValueError(
+                "growth_factor must be a finite number > 1. "
+                f"Received: growth_factor={self.growth_factor!r}"
+            )
+        if not is_number(self.backoff_factor) or not (0 < self.backoff_factor < 1):
+            raise ValueError(
+                "backoff_factor must be in (0, 1). "
+                f"Received: backoff_factor={self.backoff_factor!r}"
+            )
+        low, high, initial = fields["min_scale"], fields["max_scale"], fields["initial_scale"]
+        if self.dynamic and low > high:
+            raise ValueError(
+                f"min_scale must be <= max_scale. Received: min_scale={low!r}, max_scale={high!r}"
+            )
+        if self.dynamic and not low <= initial <= high:
+            raise ValueError(
+                f"initial_scale must be within [min_scale, max_scale] = [{low!r}, {high!r}]; "
+                "change initial_scale or widen the bounds (or use dynamic=False for a fixed "
+                f"scale). Received: initial_scale={initial!r}"
+            )
+        fields["growth_factor"] = float(self.growth_factor)
+        fields["backoff_factor"] = float(self.backoff_factor)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def is_identity(self) -> bool:
+        """A fixed scale of 1: scaling and unscaling do nothing."""
+        return not self.dynamic and self.initial_scale == 1.0
+
+
+def read_now(value: Any) -> tf.Tensor:
+    """Reads a variable at this point of the program (a Keras variable converted lazily may be
+    read after later writes in a `tf.function`). Tensors pass through."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    if isinstance(value, tf.Variable):
+        return value.read_value()
+    return tf.convert_to_tensor(value)
+
+
+def gradient_values(grads: Sequence[Any]) -> list[Any]:
+    """The dense value tensors of `grads`: `None` dropped, `tf.IndexedSlices` as their values."""
+    return [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+
+
+def _wide_dtype(dtype: tf.DType) -> tf.DType:
+    """float64 stays float64; everything narrower is computed in float32."""
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+def _divide(grad: Any, divisor: tf.Tensor) -> Any:
+    """`grad / divisor` in float32 (float64 for float64), keeping dtype and sparsity."""
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(_divide(grad.values, divisor), grad.indices, grad.dense_shape)
+    grad = tf.convert_to_tensor(grad)
+    wide = _wide_dtype(grad.dtype)
+    quotient = tf.cast(grad, wide) / tf.cast(divisor, wide)
+    return quotient if grad.dtype == wide else tf.cast(quotient, grad.dtype)
+
+
+def fingerprint(grads: Sequence[Any]) -> tf.Tensor:
+    """Sum of |g| over all gradients, in float32: tells scaled from unscaled gradients."""
+    parts = [tf.reduce_sum(tf.abs(tf.cast(v, tf.float32))) for v in gradient_values(grads)]
+    return tf.add_n(parts) if parts else tf.constant(0.0)
+
+
+class LossScale(tf.Module):
+    """The scale state (variables) and the step's functions over it.
+
+    Args:
+        config: `LossScaleConfig`. The knobs.
+        add_variable: Callable `(name, dtype, initial_value) -> variable` creating one scalar
+            state variable (the optimizer's, so checkpoints and `.keras` files carry it).
+    """
+
+    def __init__(
+        self, config: LossScaleConfig, add_variable: Callable[[str, str, float], Any]
+    ) -> None:
+        super().__init__(name="loss_scale")
+        self.config = config
+        # `dynamic_scale` and `step_counter` keep the names of Keras's own variables.
+        self.scale_variable = add_variable("dynamic_scale", "float32", config.initial_scale)
+        self.good_steps = add_variable("step_counter", "int", 0)
+        self.hysteresis_tracker = add_variable("hysteresis_tracker", "int", config.hysteresis)
+        self.overflow_steps = add_variable("overflow_steps", "int", 0)
+        self.consecutive_overflows = add_variable("consecutive_overflows", "int", 0)
+        self.last_overflow_iteration = add_variable("last_overflow_iteration", "int", -1)
+        self.last_step_overflowed = add_variable("last_step_overflowed", "int", 0)
+        self.min_scale_overflow_iteration = add_variable("min_scale_overflow_iteration", "int", -1)
+
+    # ------------------------------------------------------------ the step
+    def scale(self, loss: Any) -> tf.Tensor:
+        """`loss * scale`, computed in float32 (float64 stays float64)."""
+        loss = tf.convert_to_tensor(loss)
+        loss = tf.cast(loss, _wide_dtype(loss.dtype))
+        if self.config.is_identity:
+            return loss
+        return loss * tf.cast(read_now(self.scale_variable), loss.dtype)
+
+    def unscale(
+        self, grads: Sequence[Any], divisor: Any = None, keep: Sequence[bool] | None = None
+    ) -> list[Any]:
+        """Divides each gradient by `divisor` (default: the current scale) in float32.
+
+        `None` stays `None`, `tf.IndexedSlices` stay sparse, float64 is divided in float64.
+        Gradients whose `keep` entry is True are returned as they are (float8 variables'
+        "gradients" are new values, not gradients).
+        """
+        grads = list(grads)
+        if self.config.is_identity:
+            return grads
+        divisor = read_now(self.scale_variable) if divisor is None else divisor
+        keep = [False] * len(grads) if keep is None else list(keep)
+        return [g if k else _divide(g, divisor) for g, k in zip(grads, keep)]
+
+    @staticmethod
+    def all_finite(grads: Sequence[Any]) -> tf.Tensor:
+        """True if no gradient holds an Inf or NaN (this replica's gradients only).
+
+        One read of each gradient: its float32 sum is non-finite if any element is. A finite
+        tensor whose sum exceeds float32's range (|sum| > 3.4e38, a diverged model) also reads
+        as non-finite. About twice as fast as `reduce_all(is_finite(g))`.
+        """
+        sums = [tf.reduce_sum(tf.cast(v, tf.float32)) for v in gradient_values(grads)]
+        if not sums:
+            return tf.constant(True)
+        return tf.reduce_all(tf.math.is_finite(tf.stack(sums)))
+
+    def adjust(self, finite: bool | tf.Tensor, iteration: Any) -> None:
+        """The transition after one step: grow, back off, count.
+
+        Args:
+            finite: Bool or scalar bool tensor. Whether the step's gradients were finite. A
+                Python bool builds only that branch (Keras calls each from its own `cond`).
+            iteration: Int tensor. Applied steps so far (the optimizer's `iterations`), before
+                this step.
+        """
+        if isinstance(finite, bool):
+            (self._after_finite if finite else self._after_overflow)(iteration)
+            return
+        tf.cond(
+            finite,
+            lambda: self._after_finite(iteration),
+            lambda: self._after_overflow(iteration),
+        )
+
+    def _after_finite(self, iteration: Any) -> None:
+        del iteration
+        config = self.config
+        self.consecutive_overflows.assign(0)
+        self.last_step_overflowed.assign(0)
+        if not config.dynamic:
+            self.good_steps.assign_add(1)
+            return
+        counter = read_now(self.good_steps) + 1
+        grow = counter >= config.growth_interval
+        scale = read_now(self.scale_variable)
+        grown = tf.minimum(scale * config.growth_factor, config.max_scale)
+        self.scale_variable.assign(tf.where(grow, grown, scale))
+        self.good_steps.assign(tf.where(grow, tf.zeros_like(counter), counter))
+        tracker = read_now(self.hysteresis_tracker)
+        self.hysteresis_tracker.assign(
+            tf.where(grow, tf.constant(config.hysteresis, tracker.dtype), tracker)
+        )
+
+    def _after_overflow(self, iteration: Any) -> None:
+        config = self.config
+        overflows = read_now(self.overflow_steps)
+        iteration = tf.cast(iteration, overflows.dtype)
+        attempted = iteration + overflows  # 0-based index of this step, skipped ones counted
+        self.overflow_steps.assign(overflows + 1)
+        self.consecutive_overflows.assign_add(1)
+        self.last_overflow_iteration.assign(iteration)
+        self.last_step_overflowed.assign(1)
+        self.good_steps.assign(0)
+        if not config.dynamic:
+            return
+        scale = read_now(self.scale_variable)
+        first_at_min = tf.logical_and(
+            scale <= config.min_scale, read_now(self.min_scale_overflow_iteration) < 0
+        )
+        self.min_scale_overflow_iteration.assign(
+            tf.where(first_at_min, attempted, read_now(self.min_scale_overflow_iteration))
+        )
+        tracker = tf.maximum(read_now(self.hysteresis_tracker) - 1, 0)
+        self.hysteresis_tracker.assign(tracker)
+        backed_off = tf.maximum(scale * config.backoff_factor, config.min_scale)
+        self.scale_variable.assign(tf.where(tf.equal(tracker, 0), backed_off, scale))
+
+    # ------------------------------------------------------------ readers
+    def snapshot(self, iterations: Any) -> dict[str, tf.Tensor]:
+        """The values every reader shows, as float32 tensors read here (no host sync).
+
+        Args:
+            iterations: Int tensor or variable. Applied steps (the optimizer's `iterations`).
+
+        Returns:
+            Dict with `loss_scale`, `overflow` (1.0 if the last step was skipped),
+            `overflow_steps` (total) and `skipped_fraction` (overflow steps over all steps).
+        """
+        overflows = tf.cast(read_now(self.overflow_steps), tf.float32)
+        applied = tf.cast(read_now(iterations), tf.float32)
+        return {
+            "loss_scale": read_now(self.scale_variable),
+            "overflow": tf.cast(read_now(self.last_step_overflowed), tf.float32),
+            "overflow_steps": overflows,
+            "skipped_fraction": overflows / tf.maximum(overflows + applied, 1.0),
+        }
+
+
+_AMBIGUOUS = (
+    "get_unscaled_gradients() was called since the last scale_loss(), but apply() / "
+    "apply_gradients() received the scaled gradients, not the ones it returned. tfmixprec "
+    "cannot tell which you meant, so nothing was applied. Pass the gradients that "
+    "get_unscaled_gradients() returned to apply_gradients(); or, to only look at unscaled "
+    "values (e.g. to log a norm), divide by optimizer.loss_scale yourself and pass the scaled "
+    "gradients to apply_gradients(), which unscales them."
+)
+
+# Two fingerprints match within this relative tolerance (XLA may sum in another order).
+_FINGERPRINT_RTOL = 2.0**-10
+
+
+def _close(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    finite = tf.logical_and(tf.math.is_finite(a), tf.math.is_finite(b))
+    near = tf.abs(a - b) <= _FINGERPRINT_RTOL * tf.maximum(tf.abs(a), tf.abs(b))
+    return tf.logical_and(finite, near)
+
+
+class UnscaleLedger:
+    """Whether the gradients reaching `apply` are already unscaled, held at run time.
+
+    `record` (in `get_unscaled_gradients`) marks this replica's step as unscaled and keeps the
+    fingerprint of the scaled gradients it was given; `clear` (in `scale_loss`, and after an
+    `apply` that covers every variable) starts over. `divisor` decides what `apply` divides
+    by: 1 if unscaled, else the scale; gradients that match the recorded *scaled* fingerprint
+    after a `record` are the ambiguous misuse and raise. The variables are per replica
+    (`ON_READ`) and are not checkpointed: they describe one step, not the training run.
+    """
+
+    def __init__(self) -> None:
+        def variable(value: Any, name: str) -> tf.Variable:
+            return tf.Variable(
+                value,
+                trainable=False,
+                name=name,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+
+        self.pending = variable(0, "unscaled_pending")
+        self.scaled_fingerprint = variable(0.0, "scaled_fingerprint")
+        self.unscaled_fingerprint = variable(0.0, "unscaled_fingerprint")
+
+    def record(self, scaled_grads: Sequence[Any], scale: tf.Tensor) -> None:
+        """Marks this step's gradients as unscaled; remembers what the scaled ones looked like."""
+        scaled = fingerprint(scaled_grads)
+        self.scaled_fingerprint.assign(scaled)
+        self.unscaled_fingerprint.assign(scaled / tf.cast(scale, tf.float32))
+        self.pending.assign(1)
+
+    def clear(self) -> None:
+        """A new step: gradients reaching `apply` are scaled until the next `record`."""
+        self.pending.assign(0)
+
+    def divisor(self, grads: Sequence[Any], scale: tf.Tensor) -> tf.Tensor:
+        """What `apply` divides `grads` by: 1 after a `record`, else `scale`.
+
+        Raises:
+            tf.errors.InvalidArgumentError: At run time, if a `record` happened but `grads`
+                match the scaled gradients it saw (under XLA, which drops the check, they
+                are divided by `scale`, which is the true update).
+        """
+        pending = self.pending.read_value() > 0
+
+        def looks_scaled() -> tf.Tensor:
+            received = fingerprint(grads)
+            return tf.logical_and(
+                _close(received, self.scaled_fingerprint.read_value()),
+                tf.logical_not(_close(received, self.unscaled_fingerprint.read_value())),
+            )
+
+        ambiguous = tf.cond(pending, looks_scaled, lambda: tf.constant(False))
+        if tf.executing_eagerly():
+            if ambiguous:
+                raise tf.errors.InvalidArgumentError(None, None, _AMBIGUOUS)
+            check = tf.no_op()
+        else:
+            check = tf.debugging.Assert(tf.logical_not(ambiguous), [_AMBIGUOUS])
+        with tf.control_dependencies([check]):
+            unscaled = tf.logical_and(pending, tf.logical_not(ambiguous))
+            return tf.where(unscaled, tf.constant(1.0), tf.cast(scale, tf.float32))
