@@ -505,3 +505,22 @@ def test_float8_layers_train_as_under_plain_keras(entry):
     before = model.predict(x, verbose=0)
     _float8_step(entry, model, x, y)
     np.testing.assert_array_equal(model.predict(x, verbose=0), before)
+
+
+@pytest.mark.parametrize("order", ["grad_last", "grad_first"])
+def test_accumulation_keeps_gradients_missing_from_the_last_micro_batch(order):
+    # A variable with a gradient in only one micro-batch of the window gets the window's mean
+    # whatever the order; a last micro-batch with no gradients at all still ends the window.
+    opt = LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=4.0, accumulation_steps=2)
+    a, b = keras.Variable([0.0]), keras.Variable([0.0])
+    opt.build([a, b])
+    both = [tf.constant([4.0]), tf.constant([8.0])]  # scaled gradients: true [1], [2]
+    only_a = [tf.constant([4.0]), None]
+    first, last = (only_a, both) if order == "grad_last" else (both, only_a)
+    opt.apply(first, [a, b])
+    opt.apply(last, [a, b])
+    assert (float(a.numpy()[0]), float(b.numpy()[0])) == (-1.0, -1.0)  # b: (2 + 0) / 2
+    opt.apply([tf.constant([4.0]), tf.constant([8.0])], [a, b])
+    opt.apply([None, None], [a, b])  # nothing this micro-batch: the window still ends
+    assert (float(a.numpy()[0]), float(b.numpy()[0])) == (-1.5, -2.0)
+    assert int(opt.iterations.numpy()) == 2

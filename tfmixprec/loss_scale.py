@@ -1,7 +1,8 @@
 """The loss-scale state machine as one unit: config, state, and the functions over them.
 
 `LossScaleConfig` is frozen and validated. `LossScale` holds the state as variables and has
-the small functions a step needs: `scale(loss)`, `unscale(grads, divisor)`, `all_finite(grads)`,
+the small functions a step needs: `scale(loss)`, `unscale(grads, divisor)` (and the two sides
+of the unscaling contract, `unscale_returned` / `unscale_received`), `all_finite(grads)`,
 `adjust(finite, iteration)` (the transition, as graph ops) and `snapshot(iterations)`, the one
 reader of the values every other part of tfmixprec shows (loss scale, whether the last step
 overflowed, total overflow steps, skipped fraction). Nothing else computes those values.
@@ -158,10 +159,14 @@ class LossScale(tf.Module):
         self.last_overflow_iteration = add_variable("last_overflow_iteration", "int", -1)
         self.last_step_overflowed = add_variable("last_step_overflowed", "int", 0)
         self.min_scale_overflow_iteration = add_variable("min_scale_overflow_iteration", "int", -1)
+        self.ledger = UnscaleLedger()  # not checkpointed: it describes one step
 
     # ------------------------------------------------------------ the step
     def scale(self, loss: Any) -> tf.Tensor:
-        """`loss * scale`, computed in float32 (float64 stays float64)."""
+        """`loss * scale`, computed in float32 (float64 stays float64). Starts a step: the
+        gradients reaching `unscale_received` are scaled until `unscale_returned` runs."""
+        if not self.config.is_identity:
+            self.ledger.clear()
         loss = tf.convert_to_tensor(loss)
         loss = tf.cast(loss, _wide_dtype(loss.dtype))
         if self.config.is_identity:
@@ -184,18 +189,47 @@ class LossScale(tf.Module):
         keep = [False] * len(grads) if keep is None else list(keep)
         return [g if k else _divide(g, divisor) for g, k in zip(grads, keep)]
 
+    def unscale_returned(self, grads: Sequence[Any], keep: Sequence[bool]) -> list[Any]:
+        """Unscales `grads` for the caller (TF 2's `get_unscaled_gradients`) and records, for
+        this replica, that the step's gradients are now unscaled."""
+        grads = list(grads)
+        if self.config.is_identity:
+            return grads
+        scale = read_now(self.scale_variable)
+        self.ledger.record(grads, scale)
+        return self.unscale(grads, scale, keep=keep)
+
+    def unscale_received(
+        self, grads: Sequence[Any], keep: Sequence[bool], ends_step: bool
+    ) -> list[Any]:
+        """Unscales the gradients `apply` received, unless `unscale_returned` already did
+        (see `UnscaleLedger.divisor`). `ends_step`: this apply covers every variable."""
+        grads = list(grads)
+        if self.config.is_identity:
+            return grads
+        divisor = self.ledger.divisor(grads, read_now(self.scale_variable))
+        if ends_step:
+            self.ledger.clear()
+        return self.unscale(grads, divisor, keep=keep)
+
     @staticmethod
     def all_finite(grads: Sequence[Any]) -> tf.Tensor:
-        """True if no gradient holds an Inf or NaN (this replica's gradients only).
+        """True if no gradient holds an Inf or NaN, on any replica (all replicas agree).
 
         One read of each gradient: its float32 sum is non-finite if any element is. A finite
         tensor whose sum exceeds float32's range (|sum| > 3.4e38, a diverged model) also reads
-        as non-finite. About twice as fast as `reduce_all(is_finite(g))`.
+        as non-finite. About twice as fast as `reduce_all(is_finite(g))`. Under a strategy the
+        gradients are not all-reduced yet, so the flag is: every replica takes the same branch.
         """
         sums = [tf.reduce_sum(tf.cast(v, tf.float32)) for v in gradient_values(grads)]
-        if not sums:
-            return tf.constant(True)
-        return tf.reduce_all(tf.math.is_finite(tf.stack(sums)))
+        finite = tf.reduce_all(tf.math.is_finite(tf.stack(sums))) if sums else tf.constant(True)
+        ctx = tf.distribute.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            bad = ctx.all_reduce(
+                tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32)
+            )
+            finite = tf.equal(bad, 0.0)
+        return finite
 
     def adjust(self, finite: bool | tf.Tensor, iteration: Any) -> None:
         """The transition after one step: grow, back off, count.
@@ -259,6 +293,20 @@ class LossScale(tf.Module):
         self.scale_variable.assign(tf.where(tf.equal(tracker, 0), backed_off, scale))
 
     # ------------------------------------------------------------ readers
+    def min_scale_report(self) -> str | None:
+        """The message for the first overflow at `min_scale`, or None (one host read)."""
+        step = int(self.min_scale_overflow_iteration.numpy())
+        if step < 0:
+            return None
+        return (
+            f"Gradients were not finite at step {step} (0-based, skipped steps counted) "
+            f"although the loss scale was already at min_scale={self.config.min_scale!r}: "
+            "that step was skipped. Lowering the scale cannot fix this; likely causes are "
+            "NaN/Inf in the inputs or labels, a learning rate that is too high, or a layer "
+            "(softmax, loss, output) that must run in float32. Fix the data or model, or "
+            "lower min_scale."
+        )
+
     def snapshot(self, iterations: Any) -> dict[str, tf.Tensor]:
         """The values every reader shows, as float32 tensors read here (no host sync).
 

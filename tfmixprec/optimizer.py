@@ -18,11 +18,35 @@ import tensorflow as tf
 from tfmixprec._keras_compat import KerasLossScaleHooks, no_automatic_dependency_tracking
 from tfmixprec._validate import check_int_at_least_one, is_number
 from tfmixprec.accumulation import GradientAccumulator
-from tfmixprec.loss_scale import LossScale, LossScaleConfig, UnscaleLedger, read_now
+from tfmixprec.loss_scale import LossScale, LossScaleConfig, read_now
 
 __all__ = ["LossScaleOptimizer"]
 
 _ON_MIN_SCALE = ("warn", "raise", "ignore")
+
+# What `read_state()` returns; `get_config()` writes `CONFIG_NAMES` besides name and inner.
+STATE_NAMES = (
+    "loss_scale",
+    "good_steps",
+    "hysteresis_tracker",
+    "overflow_steps",
+    "consecutive_overflows",
+    "last_overflow_iteration",
+    "last_step_overflowed",
+    "iterations",
+)
+CONFIG_NAMES = (
+    "initial_scale",
+    "dynamic_growth_steps",
+    "growth_factor",
+    "backoff_factor",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "dynamic",
+    "on_min_scale",
+    "accumulation_steps",
+)
 
 
 def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
@@ -57,6 +81,33 @@ def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
         f"e.g. keras.optimizers.Adam(). Received: inner_optimizer={inner_optimizer!r} "
         f"of type {type(inner_optimizer).__name__}"
     )
+
+
+def _check_on_min_scale(on_min_scale: Any) -> str:
+    if on_min_scale not in _ON_MIN_SCALE:
+        raise ValueError(
+            f"on_min_scale must be one of {list(_ON_MIN_SCALE)}. "
+            f"Received: on_min_scale={on_min_scale!r}"
+        )
+    return on_min_scale
+
+
+def _keep_mask(opt: Any, grads: list[Any], variables: Sequence[Any] | None) -> list[bool]:
+    """Which gradients to leave alone: those of variables Keras overwrites with them (float8).
+    Without `variables`, the optimizer's own are assumed when the lengths match."""
+    if variables is None and opt.built:
+        tracked = opt.tracked_variables()
+        if any(map(opt.overwrites_with_gradient, tracked)):
+            if len(tracked) != len(grads):
+                raise ValueError(
+                    "This optimizer trains float8 variables, whose gradients must not be "
+                    "unscaled; pass get_unscaled_gradients(grads, variables) so it can tell "
+                    f"them apart. Received: {len(grads)} gradients and no variables"
+                )
+            variables = tracked
+    if variables is None:
+        return [False] * len(grads)
+    return [opt.overwrites_with_gradient(v) for v in variables]
 
 
 def _config(
@@ -97,8 +148,87 @@ def _config(
     )
 
 
+class _LossScaleReadout:
+    """What readers of a `LossScaleOptimizer` see: the knobs, the state variables, the
+    snapshot and host reads, the `min_scale` report and the config. Reads only."""
+
+    loss_scale_config: LossScaleConfig
+    _loss_scale: LossScale
+
+    # ------------------------------------------------------------ the knobs
+    growth_interval = property(lambda self: self.loss_scale_config.growth_interval)
+    growth_factor = property(lambda self: self.loss_scale_config.growth_factor)
+    backoff_factor = property(lambda self: self.loss_scale_config.backoff_factor)
+    min_scale = property(lambda self: self.loss_scale_config.min_scale)
+    max_scale = property(lambda self: self.loss_scale_config.max_scale)
+    hysteresis = property(lambda self: self.loss_scale_config.hysteresis)
+    dynamic = property(lambda self: self.loss_scale_config.dynamic)
+
+    # ------------------------------------------------------------ the state (variables)
+    loss_scale = property(lambda self: self._loss_scale.scale_variable, doc="The scale.")
+    dynamic_scale = loss_scale  # Keras's name
+    good_steps = property(lambda self: self._loss_scale.good_steps, doc="Clean steps in a row.")
+    step_counter = good_steps  # Keras's name
+    dynamic_counter = good_steps  # TF 2's name
+    hysteresis_tracker = property(lambda self: self._loss_scale.hysteresis_tracker)
+    overflow_steps = property(lambda self: self._loss_scale.overflow_steps, doc="Skipped steps.")
+    consecutive_overflows = property(lambda self: self._loss_scale.consecutive_overflows)
+    last_overflow_iteration = property(lambda self: self._loss_scale.last_overflow_iteration)
+    last_step_overflowed = property(lambda self: self._loss_scale.last_step_overflowed)
+
+    def snapshot(self) -> dict[str, tf.Tensor]:
+        """The loss-scale values for logs, read in the graph (no host sync; after `apply`
+        they include that step). See `LossScale.snapshot`."""
+        return self._loss_scale.snapshot(self.iterations)
+
+    def read_state(self) -> dict[str, float | int]:
+        """Reads the whole scale state to the host as Python numbers (also under strategies).
+
+        Call it outside the step (callbacks do, at their logging interval).
+
+        Returns:
+            Dict keyed by `STATE_NAMES`: `loss_scale` (a float) and the integer counters.
+        """
+        state = {name: getattr(self, name).numpy().item() for name in STATE_NAMES}
+        return {**state, "loss_scale": float(state["loss_scale"])}
+
+    # ------------------------------------------------------------ reporting
+    def check_min_scale(self) -> None:
+        """Warns or raises (per `on_min_scale`) if a step overflowed at `min_scale`.
+
+        Reads one variable, so call it outside the step. It runs on its own after every eager
+        step, at the end of `fit`, every 50 batches of a `MixedPrecisionModel`'s `fit`, and at
+        the logging interval of `LossScaleMonitor` and `OverflowGuard`.
+
+        Raises:
+            FloatingPointError: With `on_min_scale="raise"`, naming the step.
+        """
+        if self.on_min_scale == "ignore" or self._min_scale_reported:
+            return
+        message = self._loss_scale.min_scale_report()
+        if message is None:
+            return
+        self._min_scale_reported = True
+        if self.on_min_scale == "raise":
+            raise FloatingPointError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
+        """Called by Keras at the end of `fit`; also reports a `min_scale` overflow."""
+        super().finalize_variable_values(var_list)
+        self.check_min_scale()
+
+    # ------------------------------------------------------------ serialization
+    def get_config(self) -> dict[str, Any]:
+        """Every knob (Keras's key `dynamic_growth_steps` for the interval) and the inner
+        optimizer, serialized."""
+        inner = keras.saving.serialize_keras_object(self.inner_optimizer)
+        config = {"name": self.name, "inner_optimizer": inner}
+        return {**config, **{key: getattr(self, key) for key in CONFIG_NAMES}}
+
+
 @keras.saving.register_keras_serializable(package="tfmixprec")
-class LossScaleOptimizer(KerasLossScaleHooks):
+class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
     """Loss-scaling optimizer with growth, backoff, hysteresis, bounds and counters.
 
     A subclass of `keras.optimizers.LossScaleOptimizer`, so Keras's
@@ -113,16 +243,9 @@ class LossScaleOptimizer(KerasLossScaleHooks):
     Args:
         inner_optimizer: `keras.optimizers.Optimizer` (or its name, e.g. `"adam"`). The
             optimizer that applies the unscaled gradients.
-        initial_scale: Float. The initial (or, with `dynamic=False`, fixed) loss scale.
-            Defaults to `2**15`.
-        growth_interval: Int. Clean steps before the scale grows. Defaults to 2000.
-        growth_factor: Float > 1. Multiplier applied when the scale grows.
-        backoff_factor: Float in (0, 1). Multiplier applied when the scale backs off.
-        min_scale: Float > 0. The scale never goes below this (may be below 1).
-        max_scale: Float. The scale never grows above this.
-        hysteresis: Int >= 1. Overflow steps tolerated (since the last growth) before the
-            scale backs off. Every overflow step is skipped regardless.
-        dynamic: Bool. `False` keeps the scale fixed at `initial_scale`.
+        initial_scale, growth_interval, growth_factor, backoff_factor, min_scale, max_scale,
+            hysteresis, dynamic: the loss-scale knobs, see `tfmixprec.loss_scale.
+            LossScaleConfig` (defaults `2**15`, 2000, 2.0, 0.5, 1.0, `2**24`, 1, True).
         on_min_scale: String. What to do when a step overflows while the scale is already at
             `min_scale`: `"warn"` (one Python warning), `"raise"` (`FloatingPointError`
             naming the step) or `"ignore"`. Checked outside the graph: after each eager
@@ -167,38 +290,23 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         **kwargs: Any,
     ) -> None:
         # Everything is validated before anything is built or changed.
+        knobs = dict(growth_factor=growth_factor, backoff_factor=backoff_factor)
+        knobs.update(min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
         config = _config(
-            initial_scale,
-            growth_interval,
-            dynamic,
-            dynamic_growth_steps,
-            loss_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            hysteresis=hysteresis,
+            initial_scale, growth_interval, dynamic, dynamic_growth_steps, loss_scale, **knobs
         )
         accumulation_steps = check_int_at_least_one("accumulation_steps", accumulation_steps)
-        if on_min_scale not in _ON_MIN_SCALE:
-            raise ValueError(
-                f"on_min_scale must be one of {list(_ON_MIN_SCALE)}. "
-                f"Received: on_min_scale={on_min_scale!r}"
-            )
+        on_min_scale = _check_on_min_scale(on_min_scale)
         inner_optimizer = _resolve_inner(inner_optimizer)
-        super().__init__(
-            inner_optimizer,
-            initial_scale=config.initial_scale,
-            dynamic_growth_steps=config.growth_interval if config.dynamic else None,
-            name=name,
-            **kwargs,
-        )
+        growth_steps = config.growth_interval if config.dynamic else None
+        super().__init__(inner_optimizer, config.initial_scale, growth_steps, name=name, **kwargs)
         self.loss_scale_config = config
         self.on_min_scale = on_min_scale
         self.accumulation_steps = accumulation_steps
-        self._min_scale_reported = False  # host-side: one warning per optimizer
-        self._loss_scale = LossScale(config, self._scalar_variable)
-        self._ledger = UnscaleLedger()
+        self._min_scale_reported = False  # host-side: one report per optimizer
+        self._loss_scale = LossScale(
+            config, lambda name, dtype, value: self._state_variable(name, (), dtype, value)
+        )
         self._accumulator: GradientAccumulator | None = None  # made by `build`
 
     def _state_variable(self, name: str, shape: tuple, dtype: str, value: float) -> Any:
@@ -210,9 +318,6 @@ class LossScaleOptimizer(KerasLossScaleHooks):
             aggregation="only_first_replica",
             name=name,
         )
-
-    def _scalar_variable(self, name: str, dtype: str, value: float) -> Any:
-        return self._state_variable(name, (), dtype, value)
 
     @no_automatic_dependency_tracking
     def build(self, var_list: Sequence[Any]) -> None:
@@ -228,69 +333,10 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
-    # ------------------------------------------------------------ the knobs
-    growth_interval = property(lambda self: self.loss_scale_config.growth_interval)
-    growth_factor = property(lambda self: self.loss_scale_config.growth_factor)
-    backoff_factor = property(lambda self: self.loss_scale_config.backoff_factor)
-    min_scale = property(lambda self: self.loss_scale_config.min_scale)
-    max_scale = property(lambda self: self.loss_scale_config.max_scale)
-    hysteresis = property(lambda self: self.loss_scale_config.hysteresis)
-    dynamic = property(lambda self: self.loss_scale_config.dynamic)
-
-    # ------------------------------------------------------------ the state (variables)
-    loss_scale = property(lambda self: self._loss_scale.scale_variable, doc="The scale.")
-    dynamic_scale = loss_scale  # Keras's name
-    good_steps = property(lambda self: self._loss_scale.good_steps, doc="Clean steps in a row.")
-    step_counter = good_steps  # Keras's name
-    dynamic_counter = good_steps  # TF 2's name
-    hysteresis_tracker = property(lambda self: self._loss_scale.hysteresis_tracker)
-    overflow_steps = property(lambda self: self._loss_scale.overflow_steps, doc="Skipped steps.")
-    consecutive_overflows = property(lambda self: self._loss_scale.consecutive_overflows)
-    last_overflow_iteration = property(lambda self: self._loss_scale.last_overflow_iteration)
-    last_step_overflowed = property(lambda self: self._loss_scale.last_step_overflowed)
-
-    def snapshot(self) -> dict[str, tf.Tensor]:
-        """The loss-scale values for logs, read in the graph (no host sync; after `apply`
-        they include that step). See `LossScale.snapshot`."""
-        return self._loss_scale.snapshot(self.iterations)
-
-    def read_state(self) -> dict[str, float | int]:
-        """Reads the whole scale state to the host as Python numbers (also under strategies).
-
-        Call it outside the step (callbacks do, at their logging interval).
-
-        Returns:
-            Dict with `loss_scale`, `good_steps`, `hysteresis_tracker`, `overflow_steps`,
-            `consecutive_overflows`, `last_overflow_iteration`, `last_step_overflowed`,
-            `iterations`.
-        """
-        names = (
-            "loss_scale",
-            "good_steps",
-            "hysteresis_tracker",
-            "overflow_steps",
-            "consecutive_overflows",
-            "last_overflow_iteration",
-            "last_step_overflowed",
-            "iterations",
-        )
-        state = {name: getattr(self, name).numpy().item() for name in names}
-        state["loss_scale"] = float(state["loss_scale"])
-        return state
-
     # ------------------------------------------------------------ loss scaling
     def scale_loss(self, loss: Any) -> Any:
-        """Multiplies `loss` by the current scale, in float32; starts a new step.
-
-        Gradients of the scaled loss passed to `apply` are unscaled there (Keras 3's way).
-
-        Args:
-            loss: Tensor. The loss.
-
-        Returns:
-            The scaled loss (float32, or float64 for a float64 loss).
-        """
-        self._ledger.clear()
+        """Multiplies `loss` by the current scale, in float32, and starts a step: gradients
+        of it passed to `apply` are unscaled there (Keras 3's way)."""
         return self._loss_scale.scale(loss)
 
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -311,10 +357,9 @@ class LossScaleOptimizer(KerasLossScaleHooks):
     ) -> list[Any]:
         """Divides gradients of the scaled loss by the scale, in float32 (TF 2's way).
 
-        The optimizer records, in per-replica variables, that this step's gradients are
-        unscaled: the next `apply`/`apply_gradients` applies what it receives as it is, in
-        any `tf.function`, thread or replica. Passing the *scaled* gradients to it after all
-        raises (see the README, "The unscaling contract").
+        The next `apply`/`apply_gradients` applies what it receives as it is, in any
+        `tf.function`, thread or replica; passing it the *scaled* gradients after all raises
+        (README, "The unscaling contract").
 
         Args:
             grads: List of tensors, `tf.IndexedSlices` or `None`. Gradients of the scaled loss.
@@ -331,27 +376,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         array([1.], dtype=float32)
         """
         grads = list(grads)
-        if self.loss_scale_config.is_identity:
-            return grads
-        keep = self._overwritten(grads, variables)
-        scale = read_now(self.loss_scale)
-        self._ledger.record(grads, scale)
-        return self._loss_scale.unscale(grads, scale, keep=keep)
-
-    def _overwritten(self, grads: list[Any], variables: Sequence[Any] | None) -> list[bool]:
-        if variables is None and self.built:
-            tracked = self.tracked_variables()
-            if any(map(self.overwrites_with_gradient, tracked)):
-                if len(tracked) != len(grads):
-                    raise ValueError(
-                        "This optimizer trains float8 variables, whose gradients must not be "
-                        "unscaled; pass get_unscaled_gradients(grads, variables) so it can "
-                        f"tell them apart. Received: {len(grads)} gradients and no variables"
-                    )
-                variables = tracked
-        if variables is None:
-            return [False] * len(grads)
-        return [self.overwrites_with_gradient(v) for v in variables]
+        return self._loss_scale.unscale_returned(grads, _keep_mask(self, grads, variables))
 
     # ------------------------------------------------------------ the step
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
@@ -361,19 +386,14 @@ class LossScaleOptimizer(KerasLossScaleHooks):
             grads: List of gradients (tensors, `tf.IndexedSlices` or `None`).
             trainable_variables: List of variables, or `None` for the built ones.
         """
-        grads = list(grads)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
-        variables = (
-            self.tracked_variables() if trainable_variables is None else list(trainable_variables)
-        )
-        if not self.loss_scale_config.is_identity:
-            divisor = self._ledger.divisor(grads, read_now(self.loss_scale))
-            if len(variables) == len(self.tracked_variables()):
-                self._ledger.clear()  # every variable has had its update: the step is over
-            keep = [self.overwrites_with_gradient(v) for v in variables]
-            grads = self._loss_scale.unscale(grads, divisor, keep=keep)
+        tracked = self.tracked_variables()
+        variables = tracked if trainable_variables is None else list(trainable_variables)
+        keep = [self.overwrites_with_gradient(v) for v in variables]
+        ends_step = len(variables) == len(tracked)
+        grads = self._loss_scale.unscale_received(grads, keep, ends_step)
         if self._accumulator is None:
             super().apply(grads, trainable_variables)
         else:
@@ -389,15 +409,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
 
     def check_finite(self, grads: Sequence[Any]) -> tf.Tensor:
         """Returns a scalar bool: True if every gradient is finite on every replica."""
-        finite = self._loss_scale.all_finite(grads)
-        ctx = tf.distribute.get_replica_context()
-        if ctx is not None and ctx.num_replicas_in_sync > 1:
-            # Gradients are not all-reduced yet: every replica must take the same branch.
-            bad = ctx.all_reduce(
-                tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32)
-            )
-            finite = tf.equal(bad, 0.0)
-        return finite
+        return self._loss_scale.all_finite(grads)
 
     def apply_finite_step(self, grads: Sequence[Any], trainable_variables: Any) -> None:
         """Applies already unscaled gradients through the inner optimizer; counts a clean step."""
@@ -408,59 +420,6 @@ class LossScaleOptimizer(KerasLossScaleHooks):
     def skip_step(self) -> None:
         """Leaves weights and slots alone; counts the overflow and backs the scale off."""
         self._loss_scale.adjust(False, read_now(self.iterations))
-
-    # ------------------------------------------------------------ reporting
-    def check_min_scale(self) -> None:
-        """Warns or raises (per `on_min_scale`) if a step overflowed at `min_scale`.
-
-        Reads one variable, so call it outside the training step. It runs on its own after
-        every eager step, at the end of `fit`, every 50 batches of a `MixedPrecisionModel`'s
-        `fit`, and at the logging interval of `LossScaleMonitor` and `OverflowGuard`.
-
-        Raises:
-            FloatingPointError: With `on_min_scale="raise"`, naming the step.
-        """
-        if self.on_min_scale == "ignore" or self._min_scale_reported:
-            return
-        step = int(self._loss_scale.min_scale_overflow_iteration.numpy())
-        if step < 0:
-            return
-        self._min_scale_reported = True
-        message = (
-            f"Gradients were not finite at step {step} (0-based, skipped steps counted) "
-            "although the loss scale was "
-            f"already at min_scale={self.min_scale!r}: that step was skipped. Lowering the "
-            "scale cannot fix this; likely causes are NaN/Inf in the inputs or labels, a "
-            "learning rate that is too high, or a layer (softmax, loss, output) that must "
-            "run in float32. Fix the data or model, or lower min_scale."
-        )
-        if self.on_min_scale == "raise":
-            raise FloatingPointError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-
-    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
-        """Called by Keras at the end of `fit`; also reports a `min_scale` overflow."""
-        super().finalize_variable_values(var_list)
-        self.check_min_scale()
-
-    # ------------------------------------------------------------ serialization
-    def get_config(self) -> dict[str, Any]:
-        """Every knob (Keras's key `dynamic_growth_steps` for the interval) and the inner
-        optimizer, serialized."""
-        return {
-            "name": self.name,
-            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "initial_scale": self.initial_scale,
-            "dynamic_growth_steps": self.dynamic_growth_steps,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-            "hysteresis": self.hysteresis,
-            "dynamic": self.dynamic,
-            "on_min_scale": self.on_min_scale,
-            "accumulation_steps": self.accumulation_steps,
-        }
 
     @classmethod
     def from_config(
