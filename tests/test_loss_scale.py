@@ -120,11 +120,11 @@ def test_scale_and_unscale_dtypes():
 
 
 # --------------------------------------------------------------------------- contract
-def _setup(strategy=None, n_vars=1, initial_scale=SCALE):
+def _setup(strategy=None, n_vars=1, growth_interval=1):
     scope = strategy.scope() if strategy else contextlib.nullcontext()
     with scope:
         opt = tfmixprec.LossScaleOptimizer(
-            keras.optimizers.SGD(LR), initial_scale=initial_scale, growth_interval=1
+            keras.optimizers.SGD(LR), initial_scale=SCALE, growth_interval=growth_interval
         )
         variables = [keras.Variable(np.zeros(2, "float32")) for _ in range(n_vars)]
         opt.build(variables)
@@ -315,13 +315,30 @@ def test_unscale_to_log_then_apply_scaled_under_xla_applies_true_update():
 
 
 def test_float8_gradients_are_not_unscaled_by_get_unscaled_gradients():
-    opt, (plain,) = _setup()
-    float8_scale = keras.Variable(np.zeros(2, "float32"))
+    opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(LR), initial_scale=SCALE)
+    float8_scale, plain = keras.Variable(np.ones(2, "float32")), keras.Variable(np.zeros(2))
     float8_scale.overwrite_with_gradient = True
     grads = [tf.constant([3.0, 4.0]), tf.constant([SCALE, SCALE])]
-    kept, unscaled = opt.get_unscaled_gradients(grads, [float8_scale, plain])
-    np.testing.assert_array_equal(kept.numpy(), [3.0, 4.0])
-    np.testing.assert_array_equal(unscaled.numpy(), [1.0, 1.0])
+    opt.build([float8_scale, plain])
+    for variables in ([float8_scale, plain], None):  # named, then the optimizer's own
+        kept, unscaled = opt.get_unscaled_gradients(grads, variables)
+        np.testing.assert_array_equal(kept.numpy(), [3.0, 4.0])
+        np.testing.assert_array_equal(unscaled.numpy(), [1.0, 1.0])
+        opt.apply([kept, unscaled], [float8_scale, plain])
+        np.testing.assert_array_equal(float8_scale.numpy(), [3.0, 4.0])  # overwritten
+    with pytest.raises(ValueError, match=r"received 1 gradients but the optimizer trains 2"):
+        opt.get_unscaled_gradients(grads[:1])
+
+
+def test_float8_blind_unscale_before_build_raises():
+    # Before the optimizer is built it cannot know which gradients belong to float8 variables.
+    opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(LR), initial_scale=SCALE)
+    float8_scale, plain = keras.Variable(np.ones(2, "float32")), keras.Variable(np.zeros(2))
+    float8_scale.overwrite_with_gradient = True
+    grads = opt.get_unscaled_gradients([tf.constant([3.0, 4.0]), tf.constant([SCALE, SCALE])])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="before the optimizer was built"):
+        opt.apply(grads, [float8_scale, plain])
+    np.testing.assert_array_equal(float8_scale.numpy(), [1.0, 1.0])
 
 
 # --------------------------------------------------------------------------- 2 replicas
@@ -365,3 +382,105 @@ def test_two_replicas_misuse_raises(two_cpu_strategy):
         two_cpu_strategy.run(step)
     for a, b in zip(before, _snapshot(opt, variables)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_failed_misuse_in_a_function_keeps_the_record():
+    # The graph raised before `apply` consumed anything: retrying with the unscaled gradients
+    # gives the true update (the record was not cleared by the failed call).
+    opt, variables = _setup()
+    grads = {}
+
+    @tf.function
+    def misuse():
+        scaled = _scaled_grads(opt, variables)
+        grads["unscaled"] = opt.get_unscaled_gradients(scaled)
+        opt.apply_gradients(zip(scaled, variables))
+        return grads["unscaled"]
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="received the scaled gradients"):
+        misuse()
+    with tf.GradientTape() as tape:
+        scaled = opt.scale_loss(tf.reduce_sum(variables[0] * TRUE))
+    unscaled = opt.get_unscaled_gradients(tape.gradient(scaled, variables))
+    opt.apply_gradients(zip(unscaled, variables))
+    _assert_true_update(variables, 1)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_unscaling_twice_raises(mode):
+    opt, variables = _setup()
+
+    def twice():
+        grads = opt.get_unscaled_gradients(_scaled_grads(opt, variables))
+        return opt.get_unscaled_gradients(grads)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="already unscaled"):
+        MODES[mode](twice)()
+
+
+def test_one_optimizer_two_models_mixed_styles():
+    """G through `compute_unscaled_gradients` (its variables named), D Keras-style with the
+    scaled gradients, from one tape: each gets its true update. (The scale must not grow
+    between the two applies, which are two optimizer steps: D's loss was scaled before.)"""
+    opt, (g_var, d_var) = _setup(n_vars=2, growth_interval=100)
+
+    @tf.function
+    def step():
+        with tf.GradientTape(persistent=True) as tape:
+            g_loss = tf.reduce_sum(g_var * TRUE)
+            d_scaled = opt.scale_loss(tf.reduce_sum(d_var * TRUE))
+        g_grads, _ = tfmixprec.compute_unscaled_gradients(tape, g_loss, [g_var], opt)
+        opt.apply(g_grads, [g_var])
+        opt.apply(tape.gradient(d_scaled, [d_var]), [d_var])
+
+    for _ in range(2):
+        step()
+    _assert_true_update([g_var, d_var], 2)
+
+
+def test_accumulation_refuses_an_apply_on_part_of_the_variables():
+    opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(LR), accumulation_steps=2)
+    a, b = keras.Variable([0.0]), keras.Variable([0.0])
+    opt.build([a, b])
+    with pytest.raises(ValueError, match=r"must cover all 2 variables.*for 1 of them"):
+        opt.apply([tf.constant([1.0])], [a])
+    assert int(opt._accumulator.micro_step.numpy()) == 0
+
+
+def test_accumulation_sums_float64_in_float64():
+    opt = tfmixprec.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), initial_scale=1.0, dynamic=False, accumulation_steps=2
+    )
+    var = keras.Variable(np.zeros(1), dtype="float64")
+    tiny = 1.0 + 2.0**-40  # lost in float32
+    for _ in range(2):
+        opt.apply([tf.constant([tiny], tf.float64)], [var])
+    assert var.numpy()[0] == -tiny
+
+
+def test_optimizer_outside_the_strategy_scope_refuses_tf2_unscaling(two_cpu_strategy):
+    opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(LR), initial_scale=SCALE)
+    with two_cpu_strategy.scope():
+        var = keras.Variable(np.zeros(2, "float32"))
+    opt.build([var])
+    compute = tf.function(lambda: _unscaled_grads(opt, [var]))
+    with pytest.raises(ValueError, match=r"needs an optimizer created inside strategy.scope"):
+        two_cpu_strategy.run(compute)
+
+
+def test_keras_checkpoint_restores_into_tfmixprec(tmp_path):
+    # A tf.train.Checkpoint of Keras's own LossScaleOptimizer restores its step counter and
+    # scale into tfmixprec's (same order, same names); tfmixprec's extra state starts fresh.
+    var = keras.Variable(np.zeros(2, "float32"))
+    keras_opt = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(LR), initial_scale=64.0, dynamic_growth_steps=3
+    )
+    keras_opt.build([var])
+    keras_opt.step_counter.assign(2)
+    keras_opt.dynamic_scale.assign(256.0)
+    path = tf.train.Checkpoint(optimizer=keras_opt).save(str(tmp_path / "ckpt"))
+    opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(LR), initial_scale=64.0)
+    opt.build([var])
+    tf.train.Checkpoint(optimizer=opt).restore(path).expect_partial()
+    assert (float(opt.loss_scale.numpy()), int(opt.good_steps.numpy())) == (256.0, 2)
+    assert int(opt.overflow_steps.numpy()) == 0

@@ -17,6 +17,11 @@ import tensorflow as tf
 __all__ = ["GradientAccumulator"]
 
 
+def _sum_dtype(dtype: Any) -> str:
+    """float64 variables are summed in float64, everything narrower in float32."""
+    return "float64" if str(getattr(dtype, "name", dtype)) == "float64" else "float32"
+
+
 class GradientAccumulator(tf.Module):
     """The accumulation state (variables) and the per-micro-batch update.
 
@@ -35,21 +40,25 @@ class GradientAccumulator(tf.Module):
         self.micro_step = add_variable("micro_step", (), "int", 0)
         self.window_finite = add_variable("window_finite", (), "int", 1)
         self.sums = [
-            add_variable("accumulated_gradient", tuple(v.shape), "float32", 0.0) for v in var_list
+            add_variable("accumulated_gradient", tuple(v.shape), _sum_dtype(v.dtype), 0.0)
+            for v in var_list
         ]
 
     def add(
         self,
         grads: Sequence[Any],
-        sums: Sequence[Any],
+        indices: Sequence[int],
         finite: tf.Tensor,
         apply_window: Callable[[list[Any]], None],
     ) -> None:
         """Adds one micro-batch; at the end of the window, applies the mean and starts over.
 
+        Each call is one micro-batch, so it must cover every variable (`None` where a variable
+        has no gradient); a call on part of the variables raises.
+
         Args:
             grads: Unscaled gradients (`None` for a variable without one this micro-batch).
-            sums: The sum variable of each gradient's variable.
+            indices: The position of each gradient's variable (as in `build`'s `var_list`).
             finite: Scalar bool. Whether this micro-batch's gradients are finite (everywhere).
             apply_window: Called with the window's mean gradient of every variable, in the
                 order of `build`'s `var_list`, at the end of the window.
@@ -61,14 +70,22 @@ class GradientAccumulator(tf.Module):
                 f"{strategy.num_replicas_in_sync} replicas yet. Use accumulation_steps=1 and a "
                 f"larger global batch instead. Received: accumulation_steps={self.steps!r}"
             )
-        for total, grad in zip(sums, grads):
+        if sorted(indices) != list(range(len(self.sums))):
+            raise ValueError(
+                f"With accumulation_steps={self.steps}, each apply() is one micro-batch and "
+                f"must cover all {len(self.sums)} variables of the optimizer (pass None for a "
+                f"variable without a gradient). Received gradients for {len(indices)} of them."
+            )
+        for index, grad in zip(indices, grads):
             if grad is None:
                 continue
+            total = self.sums[index]
+            values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+            values = tf.where(finite, tf.cast(values, total.dtype), tf.zeros((), total.dtype))
             if isinstance(grad, tf.IndexedSlices):
-                values = tf.where(finite, tf.cast(grad.values, tf.float32), 0.0)
                 total.value.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
             else:
-                total.assign_add(tf.where(finite, tf.cast(grad, tf.float32), 0.0))
+                total.assign_add(values)
         self.window_finite.assign(tf.where(finite, self.window_finite.value, 0))
         self.micro_step.assign_add(1)
         keras.ops.cond(
@@ -78,11 +95,11 @@ class GradientAccumulator(tf.Module):
         )
 
     def _end_window(self, apply_window: Callable[[list[Any]], None]) -> None:
-        means = [total.value / float(self.steps) for total in self.sums]
+        means = [total.value / tf.cast(self.steps, total.dtype) for total in self.sums]
         if means:
             # A spoiled window reaches the one finite check as a NaN: skipped, backed off once.
             ok = tf.equal(self.window_finite.value, 1)
-            means[0] = tf.where(ok, means[0], float("nan"))
+            means[0] = tf.where(ok, means[0], tf.constant(float("nan"), means[0].dtype))
         apply_window(means)
         for total in self.sums:
             total.assign(tf.zeros_like(total.value))

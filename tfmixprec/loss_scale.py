@@ -7,8 +7,8 @@ of the unscaling contract, `unscale_returned` / `unscale_received`), `all_finite
 reader of the values every other part of tfmixprec shows (loss scale, whether the last step
 overflowed, total overflow steps, skipped fraction). Nothing else computes those values.
 
-`UnscaleLedger` holds the unscaling contract (see `LossScaleOptimizer.get_unscaled_gradients`)
-in per-replica variables, so it holds at run time: across `tf.function`s, threads and replicas.
+The unscaling contract (which gradients reaching `apply` are already unscaled) is held by the
+unit's `tfmixprec.unscaling.UnscaleLedger`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import keras
 import tensorflow as tf
 
 from tfmixprec._validate import check_float32_scale, check_int_at_least_one, is_number
+from tfmixprec.unscaling import UnscaleLedger
 
-__all__ = ["LOG_KEYS", "LossScale", "LossScaleConfig", "UnscaleLedger"]
+__all__ = ["LOG_KEYS", "LossScale", "LossScaleConfig"]
 
 # The values `snapshot()` returns; `fit` logs and callbacks show these and only these.
 LOG_KEYS = ("loss_scale", "overflow", "overflow_steps", "skipped_fraction")
@@ -130,12 +131,6 @@ def _divide(grad: Any, divisor: tf.Tensor) -> Any:
     return quotient if grad.dtype == wide else tf.cast(quotient, grad.dtype)
 
 
-def fingerprint(grads: Sequence[Any]) -> tf.Tensor:
-    """Sum of |g| over all gradients, in float32: tells scaled from unscaled gradients."""
-    parts = [tf.reduce_sum(tf.abs(tf.cast(v, tf.float32))) for v in gradient_values(grads)]
-    return tf.add_n(parts) if parts else tf.constant(0.0)
-
-
 class LossScale(tf.Module):
     """The scale state (variables) and the step's functions over it.
 
@@ -150,9 +145,10 @@ class LossScale(tf.Module):
     ) -> None:
         super().__init__(name="loss_scale")
         self.config = config
-        # `dynamic_scale` and `step_counter` keep the names of Keras's own variables.
-        self.scale_variable = add_variable("dynamic_scale", "float32", config.initial_scale)
+        # Keras's own two variables first, in Keras's order and with its names, so Keras's
+        # checkpoints restore into them.
         self.good_steps = add_variable("step_counter", "int", 0)
+        self.scale_variable = add_variable("dynamic_scale", "float32", config.initial_scale)
         self.hysteresis_tracker = add_variable("hysteresis_tracker", "int", config.hysteresis)
         self.overflow_steps = add_variable("overflow_steps", "int", 0)
         self.consecutive_overflows = add_variable("consecutive_overflows", "int", 0)
@@ -160,6 +156,10 @@ class LossScale(tf.Module):
         self.last_step_overflowed = add_variable("last_step_overflowed", "int", 0)
         self.min_scale_overflow_iteration = add_variable("min_scale_overflow_iteration", "int", -1)
         self.ledger = UnscaleLedger()  # not checkpointed: it describes one step
+
+    def build(self, num_variables: int) -> None:
+        """Creates the per-variable part of the unscaling record."""
+        self.ledger.build(num_variables)
 
     # ------------------------------------------------------------ the step
     def scale(self, loss: Any) -> tf.Tensor:
@@ -189,28 +189,36 @@ class LossScale(tf.Module):
         keep = [False] * len(grads) if keep is None else list(keep)
         return [g if k else _divide(g, divisor) for g, k in zip(grads, keep)]
 
-    def unscale_returned(self, grads: Sequence[Any], keep: Sequence[bool]) -> list[Any]:
+    def unscale_returned(
+        self,
+        grads: Sequence[Any],
+        keep: Sequence[bool],
+        indices: list[int] | None,
+        knew_float8: bool = False,
+    ) -> list[Any]:
         """Unscales `grads` for the caller (TF 2's `get_unscaled_gradients`) and records, for
-        this replica, that the step's gradients are now unscaled."""
+        this replica, that the gradients of the variables at `indices` (all of them if None:
+        before the optimizer is built) are now unscaled."""
         grads = list(grads)
         if self.config.is_identity:
             return grads
         scale = read_now(self.scale_variable)
-        self.ledger.record(grads, scale)
-        return self.unscale(grads, scale, keep=keep)
+        check = self.ledger.record(grads, scale, indices, knew_float8)
+        with tf.control_dependencies([check]):
+            return self.unscale(grads, scale, keep=keep)
 
     def unscale_received(
-        self, grads: Sequence[Any], keep: Sequence[bool], ends_step: bool
+        self, grads: Sequence[Any], keep: Sequence[bool], indices: list[int], has_float8: bool
     ) -> list[Any]:
-        """Unscales the gradients `apply` received, unless `unscale_returned` already did
-        (see `UnscaleLedger.divisor`). `ends_step`: this apply covers every variable."""
+        """Unscales the gradients `apply` received, each unless `unscale_returned` already
+        did (see `tfmixprec.unscaling`). `indices`: their variables' positions."""
         grads = list(grads)
         if self.config.is_identity:
             return grads
-        divisor = self.ledger.divisor(grads, read_now(self.scale_variable))
-        if ends_step:
-            self.ledger.clear()
-        return self.unscale(grads, divisor, keep=keep)
+        scale = read_now(self.scale_variable)
+        divisors = self.ledger.divisors(grads, indices, scale, has_float8)
+        parts = tf.unstack(divisors, num=len(grads)) if grads else []
+        return [g if k else _divide(g, d) for g, k, d in zip(grads, keep, parts)]
 
     @staticmethod
     def all_finite(grads: Sequence[Any]) -> tf.Tensor:
@@ -325,87 +333,3 @@ class LossScale(tf.Module):
             "overflow_steps": overflows,
             "skipped_fraction": overflows / tf.maximum(overflows + applied, 1.0),
         }
-
-
-_AMBIGUOUS = (
-    "get_unscaled_gradients() was called since the last scale_loss(), but apply() / "
-    "apply_gradients() received the scaled gradients, not the ones it returned. tfmixprec "
-    "cannot tell which you meant, so nothing was applied. Pass the gradients that "
-    "get_unscaled_gradients() returned to apply_gradients(); or, to only look at unscaled "
-    "values (e.g. to log a norm), divide by optimizer.loss_scale yourself and pass the scaled "
-    "gradients to apply_gradients(), which unscales them."
-)
-
-# Two fingerprints match within this relative tolerance (XLA may sum in another order).
-_FINGERPRINT_RTOL = 2.0**-10
-
-
-def _close(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    finite = tf.logical_and(tf.math.is_finite(a), tf.math.is_finite(b))
-    near = tf.abs(a - b) <= _FINGERPRINT_RTOL * tf.maximum(tf.abs(a), tf.abs(b))
-    return tf.logical_and(finite, near)
-
-
-class UnscaleLedger:
-    """Whether the gradients reaching `apply` are already unscaled, held at run time.
-
-    `record` (in `get_unscaled_gradients`) marks this replica's step as unscaled and keeps the
-    fingerprint of the scaled gradients it was given; `clear` (in `scale_loss`, and after an
-    `apply` that covers every variable) starts over. `divisor` decides what `apply` divides
-    by: 1 if unscaled, else the scale; gradients that match the recorded *scaled* fingerprint
-    after a `record` are the ambiguous misuse and raise. The variables are per replica
-    (`ON_READ`) and are not checkpointed: they describe one step, not the training run.
-    """
-
-    def __init__(self) -> None:
-        def variable(value: Any, name: str) -> tf.Variable:
-            return tf.Variable(
-                value,
-                trainable=False,
-                name=name,
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-            )
-
-        self.pending = variable(0, "unscaled_pending")
-        self.scaled_fingerprint = variable(0.0, "scaled_fingerprint")
-        self.unscaled_fingerprint = variable(0.0, "unscaled_fingerprint")
-
-    def record(self, scaled_grads: Sequence[Any], scale: tf.Tensor) -> None:
-        """Marks this step's gradients as unscaled; remembers what the scaled ones looked like."""
-        scaled = fingerprint(scaled_grads)
-        self.scaled_fingerprint.assign(scaled)
-        self.unscaled_fingerprint.assign(scaled / tf.cast(scale, tf.float32))
-        self.pending.assign(1)
-
-    def clear(self) -> None:
-        """A new step: gradients reaching `apply` are scaled until the next `record`."""
-        self.pending.assign(0)
-
-    def divisor(self, grads: Sequence[Any], scale: tf.Tensor) -> tf.Tensor:
-        """What `apply` divides `grads` by: 1 after a `record`, else `scale`.
-
-        Raises:
-            tf.errors.InvalidArgumentError: At run time, if a `record` happened but `grads`
-                match the scaled gradients it saw (under XLA, which drops the check, they
-                are divided by `scale`, which is the true update).
-        """
-        pending = self.pending.read_value() > 0
-
-        def looks_scaled() -> tf.Tensor:
-            received = fingerprint(grads)
-            return tf.logical_and(
-                _close(received, self.scaled_fingerprint.read_value()),
-                tf.logical_not(_close(received, self.unscaled_fingerprint.read_value())),
-            )
-
-        ambiguous = tf.cond(pending, looks_scaled, lambda: tf.constant(False))
-        if tf.executing_eagerly():
-            if ambiguous:
-                raise tf.errors.InvalidArgumentError(None, None, _AMBIGUOUS)
-            check = tf.no_op()
-        else:
-            check = tf.debugging.Assert(tf.logical_not(ambiguous), [_AMBIGUOUS])
-        with tf.control_dependencies([check]):
-            unscaled = tf.logical_and(pending, tf.logical_not(ambiguous))
-            return tf.where(unscaled, tf.constant(1.0), tf.cast(scale, tf.float32))

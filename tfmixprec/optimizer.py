@@ -92,22 +92,27 @@ def _check_on_min_scale(on_min_scale: Any) -> str:
     return on_min_scale
 
 
-def _keep_mask(opt: Any, grads: list[Any], variables: Sequence[Any] | None) -> list[bool]:
-    """Which gradients to leave alone: those of variables Keras overwrites with them (float8).
-    Without `variables`, the optimizer's own are assumed when the lengths match."""
-    if variables is None and opt.built:
-        tracked = opt.tracked_variables()
-        if any(map(opt.overwrites_with_gradient, tracked)):
-            if len(tracked) != len(grads):
-                raise ValueError(
-                    "This optimizer trains float8 variables, whose gradients must not be "
-                    "unscaled; pass get_unscaled_gradients(grads, variables) so it can tell "
-                    f"them apart. Received: {len(grads)} gradients and no variables"
-                )
-            variables = tracked
-    if variables is None:
-        return [False] * len(grads)
-    return [opt.overwrites_with_gradient(v) for v in variables]
+def _unscale_targets(
+    opt: Any, grads: list[Any], variables: Sequence[Any] | None
+) -> tuple[list[bool], list[int] | None]:
+    """For `get_unscaled_gradients`: which gradients to leave alone (float8 variables, which
+    Keras overwrites with their gradient) and the positions of the gradients' variables (None
+    before the optimizer is built). Without `variables`, the gradients must be one per
+    variable of the optimizer."""
+    if variables is not None:
+        variables = list(variables)
+        keep = [opt.overwrites_with_gradient(v) for v in variables]
+        return keep, [opt.variable_index(v) for v in variables] if opt.built else None
+    if not opt.built:
+        return [False] * len(grads), None
+    tracked = opt.tracked_variables()
+    if len(grads) != len(tracked):
+        raise ValueError(
+            f"get_unscaled_gradients() received {len(grads)} gradients but the optimizer "
+            f"trains {len(tracked)} variables, so it cannot tell whose gradients are unscaled. "
+            "Pass get_unscaled_gradients(grads, variables)."
+        )
+    return [opt.overwrites_with_gradient(v) for v in tracked], list(range(len(tracked)))
 
 
 def _config(
@@ -326,6 +331,7 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         Args:
             var_list: List of variables. The model's trainable variables.
         """
+        self._loss_scale.build(len(var_list))
         if self.accumulation_steps > 1:
             self._accumulator = GradientAccumulator(
                 self.accumulation_steps, self._state_variable, var_list
@@ -376,7 +382,9 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         array([1.], dtype=float32)
         """
         grads = list(grads)
-        return self._loss_scale.unscale_returned(grads, _keep_mask(self, grads, variables))
+        keep, indices = _unscale_targets(self, grads, variables)
+        knew_float8 = variables is not None
+        return self._loss_scale.unscale_returned(grads, keep, indices, knew_float8)
 
     # ------------------------------------------------------------ the step
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
@@ -392,13 +400,14 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         tracked = self.tracked_variables()
         variables = tracked if trainable_variables is None else list(trainable_variables)
         keep = [self.overwrites_with_gradient(v) for v in variables]
-        ends_step = len(variables) == len(tracked)
-        grads = self._loss_scale.unscale_received(grads, keep, ends_step)
+        indices = [self.variable_index(v) for v in variables]
+        grads = self._loss_scale.unscale_received(
+            grads, keep, indices, any(keep) or any(map(self.overwrites_with_gradient, tracked))
+        )
         if self._accumulator is None:
             super().apply(grads, trainable_variables)
         else:
-            sums = [self._accumulator.sums[self.variable_index(v)] for v in variables]
-            self._accumulator.add(grads, sums, self.check_finite(grads), self._apply_window)
+            self._accumulator.add(grads, indices, self.check_finite(grads), self._apply_window)
         if tf.executing_eagerly() and not tf.distribute.has_strategy():
             self.check_min_scale()
 

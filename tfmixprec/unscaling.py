@@ -1,0 +1,210 @@
+"""The unscaling contract: which gradients reaching `apply` are already unscaled.
+
+`apply` takes scaled gradients and unscales them, except those that `get_unscaled_gradients`
+unscaled since the last `scale_loss`. `UnscaleLedger` holds that fact in per-replica variables
+(`ON_READ`) written at run time, so it holds across `tf.function`s, threads and replicas:
+
+- `record` marks gradients as unscaled: per variable when the variables are known (the
+  optimizer is built and they are named, or the list covers all of them), or all of them when
+  it runs before the optimizer is built ("blind", the first step of a TF 2 loop).
+- `divisors` gives, per gradient, what `apply` divides by (1 or the scale) and consumes the
+  marks of the variables it applies, so two `apply` calls on two halves both see theirs.
+- `clear` (in `scale_loss`) starts a step with nothing marked.
+
+Misuses that cannot be decided raise at run time (in eager mode at once) and change nothing.
+The variables are not checkpointed: they describe one step, not the training run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+__all__ = ["UnscaleLedger", "fingerprint"]
+
+SCALED_AGAIN = (
+    "get_unscaled_gradients() was called since the last scale_loss(), but apply() / "
+    "apply_gradients() received the scaled gradients, not the ones it returned. tfmixprec "
+    "cannot tell which you meant, so nothing was applied. Pass the gradients that "
+    "get_unscaled_gradients() returned to apply_gradients(); or, to only look at unscaled "
+    "values (e.g. to log a norm), divide by optimizer.loss_scale yourself and pass the scaled "
+    "gradients to apply_gradients(), which unscales them."
+)
+UNSCALED_TWICE = (
+    "get_unscaled_gradients() received gradients that it had already unscaled since the last "
+    "scale_loss(); dividing them again would shrink the update by the loss scale. Call it once "
+    "per step, on the gradients of the scaled loss."
+)
+BLIND_COUNT = (
+    "get_unscaled_gradients() ran before the optimizer was built, on a different number of "
+    "gradients than the variables apply() built it with, so tfmixprec cannot tell which "
+    "gradients are unscaled. Call optimizer.build(variables) first, or pass "
+    "get_unscaled_gradients(grads, variables)."
+)
+BLIND_FLOAT8 = (
+    "get_unscaled_gradients() ran before the optimizer was built, so it could not leave alone "
+    "the gradients of float8 variables (which Keras overwrites with their gradient): they were "
+    "divided by the loss scale. Call optimizer.build(model.trainable_variables) before the "
+    "first step, or pass get_unscaled_gradients(grads, variables)."
+)
+
+# Values of `blind`: a record before build, that did or did not know the float8 variables.
+_BLIND_ALL, _BLIND_KNOWN = 1, 2
+
+# Two fingerprints match within this relative tolerance (XLA may sum in another order).
+_FINGERPRINT_RTOL = 2.0**-10
+
+
+def fingerprint(grads: Sequence[Any]) -> tf.Tensor:
+    """Sum of |g| over the gradients, in float32: tells scaled from unscaled gradients."""
+    parts = []
+    for grad in grads:
+        if grad is None:
+            continue
+        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+        parts.append(tf.reduce_sum(tf.abs(tf.cast(values, tf.float32))))
+    return tf.add_n(parts) if parts else tf.constant(0.0)
+
+
+def _close(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    finite = tf.logical_and(tf.math.is_finite(a), tf.math.is_finite(b))
+    near = tf.abs(a - b) <= _FINGERPRINT_RTOL * tf.maximum(tf.abs(a), tf.abs(b))
+    return tf.logical_and(finite, near)
+
+
+def _check(ok: tf.Tensor, message: str) -> Any:
+    """Raises `InvalidArgumentError(message)` at run time where `ok` is False (eager: now)."""
+    if tf.executing_eagerly():
+        if not bool(ok):
+            raise tf.errors.InvalidArgumentError(None, None, message)
+        return tf.no_op()
+    return tf.debugging.Assert(ok, [message])
+
+
+def _replica_variable(value: Any, name: str) -> tf.Variable:
+    return tf.Variable(
+        value,
+        trainable=False,
+        name=name,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+class UnscaleLedger:
+    """Per-replica run-time record of which gradients are already unscaled (see module doc)."""
+
+    def __init__(self) -> None:
+        self.blind = _replica_variable(0, "unscaled_blind")
+        self.blind_count = _replica_variable(0, "unscaled_blind_count")
+        self.scaled_fingerprint = _replica_variable(0.0, "scaled_fingerprint")
+        self.unscaled_fingerprint = _replica_variable(0.0, "unscaled_fingerprint")
+        self.marks: tf.Variable | None = None  # one int per variable, made by `build`
+
+    def build(self, num_variables: int) -> None:
+        """Creates the per-variable marks for an optimizer of `num_variables` variables."""
+        self.marks = _replica_variable(tf.zeros([num_variables], tf.int32), "unscaled_marks")
+
+    def _check_replicas(self) -> None:
+        ctx = tf.distribute.get_replica_context()
+        distributed = isinstance(self.blind, tf.distribute.DistributedValues)
+        if ctx is not None and ctx.num_replicas_in_sync > 1 and not distributed:
+            raise ValueError(
+                "get_unscaled_gradients() under a strategy with "
+                f"{ctx.num_replicas_in_sync} replicas needs an optimizer created inside "
+                "strategy.scope() (its per-replica state was created outside). Create the "
+                "optimizer inside `with strategy.scope():`."
+            )
+
+    def record(
+        self,
+        grads: list[Any],
+        scale: tf.Tensor,
+        indices: list[int] | None,
+        knew_float8: bool = False,
+    ) -> Any:
+        """Marks `grads` as unscaled: the variables at `indices`, or all (blind) before build.
+        `knew_float8`: a blind record that was told the variables (float8 ones kept).
+
+        Returns:
+            The run-time check that `grads` were not already unscaled (an op to depend on).
+        """
+        self._check_replicas()
+        scaled = fingerprint(grads)
+        marked = self.blind.read_value() > 0
+        if self.marks is not None:
+            marked = tf.logical_or(marked, tf.reduce_any(self.marks.read_value() > 0))
+        again = tf.logical_and(marked, _close(scaled, self.unscaled_fingerprint.read_value()))
+        check = _check(tf.logical_not(again), UNSCALED_TWICE)
+        with tf.control_dependencies([check]):
+            self.scaled_fingerprint.assign(scaled)
+            self.unscaled_fingerprint.assign(scaled / tf.cast(scale, tf.float32))
+            if indices is None:
+                self.blind.assign(_BLIND_KNOWN if knew_float8 else _BLIND_ALL)
+                self.blind_count.assign(len(grads))
+            else:
+                marks = self.marks.read_value()
+                updates = tf.ones([len(indices)], tf.int32)
+                self.marks.assign(
+                    tf.tensor_scatter_nd_update(marks, [[i] for i in indices], updates)
+                )
+        return check
+
+    def clear(self) -> None:
+        """A new step: nothing is unscaled until the next `record`."""
+        self.blind.assign(0)
+        if self.marks is not None:
+            self.marks.assign(tf.zeros_like(self.marks.read_value()))
+
+    def divisors(
+        self, grads: list[Any], indices: list[int], scale: tf.Tensor, has_float8: bool
+    ) -> tf.Tensor:
+        """Per gradient, what `apply` divides it by: 1 if already unscaled, else `scale`.
+
+        Consumes the marks of the variables at `indices`. Raises (at run time, changing
+        nothing) if the gradients treated as unscaled are the scaled ones that were recorded,
+        or if a blind record cannot be matched to the variables.
+
+        Args:
+            grads: The gradients `apply` received.
+            indices: Their variables' positions in the optimizer.
+            scale: The current loss scale.
+            has_float8: Whether the optimizer trains variables overwritten with their gradient.
+        """
+        blind = self.blind.read_value() > 0
+        marks = tf.gather(self.marks.read_value(), indices) > 0 if indices else tf.zeros([0], bool)
+        unscaled = tf.logical_or(marks, blind)
+        present = tf.constant([g is not None for g in grads], tf.bool)
+        treated = tf.logical_and(unscaled, present)
+
+        def looks_scaled() -> tf.Tensor:
+            sums = tf.stack([fingerprint([g]) for g in grads]) if grads else tf.zeros([0])
+            received = tf.reduce_sum(tf.where(treated, sums, 0.0))
+            return tf.logical_and(
+                _close(received, self.scaled_fingerprint.read_value()),
+                tf.logical_not(_close(received, self.unscaled_fingerprint.read_value())),
+            )
+
+        any_treated = tf.reduce_any(treated)
+        scaled_again = tf.cond(any_treated, looks_scaled, lambda: tf.constant(False))
+        checks = [_check(tf.logical_not(scaled_again), SCALED_AGAIN)]
+        count_ok = tf.logical_or(
+            tf.logical_not(blind), tf.equal(self.blind_count.read_value(), self.marks.shape[0])
+        )
+        checks.append(_check(count_ok, BLIND_COUNT))
+        if has_float8:  # a blind record that did not know the variables divided them
+            blind_of_float8 = tf.equal(self.blind.read_value(), _BLIND_ALL)
+            checks.append(_check(tf.logical_not(blind_of_float8), BLIND_FLOAT8))
+        with tf.control_dependencies(checks):
+            if indices:
+                consumed = tf.zeros([len(indices)], tf.int32)
+                self.marks.assign(
+                    tf.tensor_scatter_nd_update(
+                        self.marks.read_value(), [[i] for i in indices], consumed
+                    )
+                )
+            self.blind.assign(0)
+            use_scale = tf.logical_not(tf.logical_and(unscaled, tf.logical_not(scaled_again)))
+            return tf.where(use_scale, tf.cast(scale, tf.float32), 1.0)
