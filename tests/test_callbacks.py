@@ -299,6 +299,5 @@ def test_callbacks_under_mirrored_strategy(two_cpu_strategy, tmp_path, capsys):
         "overflow_steps": 1,
         "consecutive_overflows": 0,
         "last_overflow_iteration": 1,
-        "last_step_overflowed": 0,
         "iterations": 7,
     }

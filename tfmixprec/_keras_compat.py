@@ -27,6 +27,9 @@ __all__ = [
     "all_sublayers",
     "functional_init_arguments",
     "no_automatic_dependency_tracking",
+    "tensorboard_batch_work",
+    "tensorboard_step",
+    "tensorboard_writer",
 ]
 
 
@@ -37,6 +40,28 @@ def all_sublayers(model: Any) -> list[Any]:
     models and in attributes; there is no public equivalent.
     """
     return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+# Why: `tfmixprec.TensorBoard` extends `keras.callbacks.TensorBoard` and writes its summaries
+# into the same run, at the same batch steps; Keras keeps the writer and counters private.
+def tensorboard_writer(callback: Any) -> Any:
+    """The train-run summary writer of a `keras.callbacks.TensorBoard`."""
+    return callback._train_writer
+
+
+def tensorboard_step(callback: Any) -> int:
+    """The global train-batch counter a `keras.callbacks.TensorBoard` writes batch steps at."""
+    return callback._global_train_batch
+
+
+def tensorboard_batch_work(callback: Any) -> bool:
+    """Whether Keras's own `on_train_batch_end` would write anything (else it is skipped)."""
+    return bool(
+        callback.update_freq != "epoch"
+        or callback._should_write_train_graph
+        or callback._should_trace
+        or callback.write_steps_per_second
+    )
 
 
 class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):

@@ -153,7 +153,6 @@ class LossScale(tf.Module):
         self.overflow_steps = add_variable("overflow_steps", "int", 0)
         self.consecutive_overflows = add_variable("consecutive_overflows", "int", 0)
         self.last_overflow_iteration = add_variable("last_overflow_iteration", "int", -1)
-        self.last_step_overflowed = add_variable("last_step_overflowed", "int", 0)
         self.min_scale_overflow_iteration = add_variable("min_scale_overflow_iteration", "int", -1)
         self.ledger = UnscaleLedger()  # not checkpointed: it describes one step
 
@@ -216,9 +215,9 @@ class LossScale(tf.Module):
         if self.config.is_identity:
             return grads
         scale = read_now(self.scale_variable)
-        divisors = self.ledger.divisors(grads, indices, scale, has_float8)
-        parts = tf.unstack(divisors, num=len(grads)) if grads else []
-        return [g if k else _divide(g, d) for g, k, d in zip(grads, keep, parts)]
+        return self.ledger.unscale_for_apply(
+            grads, indices, scale, has_float8, lambda g, i, d: g if keep[i] else _divide(g, d)
+        )
 
     @staticmethod
     def all_finite(grads: Sequence[Any]) -> tf.Tensor:
@@ -245,8 +244,8 @@ class LossScale(tf.Module):
         Args:
             finite: Bool or scalar bool tensor. Whether the step's gradients were finite. A
                 Python bool builds only that branch (Keras calls each from its own `cond`).
-            iteration: Int tensor. Applied steps so far (the optimizer's `iterations`), before
-                this step.
+            iteration: Int tensor or variable. Applied steps so far (the optimizer's
+                `iterations`), before this step; read only for an overflow.
         """
         if isinstance(finite, bool):
             (self._after_finite if finite else self._after_overflow)(iteration)
@@ -261,10 +260,11 @@ class LossScale(tf.Module):
         del iteration
         config = self.config
         self.consecutive_overflows.assign(0)
-        self.last_step_overflowed.assign(0)
         if not config.dynamic:
             self.good_steps.assign_add(1)
             return
+        # `where`s, not a `cond`: these are mirrored variables whose replica writes would
+        # need a `merge_call`, which a `cond` branch in replica context may not make.
         counter = read_now(self.good_steps) + 1
         grow = counter >= config.growth_interval
         scale = read_now(self.scale_variable)
@@ -279,12 +279,11 @@ class LossScale(tf.Module):
     def _after_overflow(self, iteration: Any) -> None:
         config = self.config
         overflows = read_now(self.overflow_steps)
-        iteration = tf.cast(iteration, overflows.dtype)
+        iteration = tf.cast(read_now(iteration), overflows.dtype)
         attempted = iteration + overflows  # 0-based index of this step, skipped ones counted
         self.overflow_steps.assign(overflows + 1)
         self.consecutive_overflows.assign_add(1)
         self.last_overflow_iteration.assign(iteration)
-        self.last_step_overflowed.assign(1)
         self.good_steps.assign(0)
         if not config.dynamic:
             return
@@ -329,7 +328,7 @@ class LossScale(tf.Module):
         applied = tf.cast(read_now(iterations), tf.float32)
         return {
             "loss_scale": read_now(self.scale_variable),
-            "overflow": tf.cast(read_now(self.last_step_overflowed), tf.float32),
+            "overflow": tf.cast(read_now(self.consecutive_overflows) > 0, tf.float32),
             "overflow_steps": overflows,
             "skipped_fraction": overflows / tf.maximum(overflows + applied, 1.0),
         }

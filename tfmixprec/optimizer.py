@@ -18,7 +18,7 @@ import tensorflow as tf
 from tfmixprec._keras_compat import KerasLossScaleHooks, no_automatic_dependency_tracking
 from tfmixprec._validate import check_int_at_least_one, is_number
 from tfmixprec.accumulation import GradientAccumulator
-from tfmixprec.loss_scale import LossScale, LossScaleConfig, read_now
+from tfmixprec.loss_scale import LossScale, LossScaleConfig
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -32,7 +32,6 @@ STATE_NAMES = (
     "overflow_steps",
     "consecutive_overflows",
     "last_overflow_iteration",
-    "last_step_overflowed",
     "iterations",
 )
 CONFIG_NAMES = (
@@ -179,7 +178,6 @@ class _LossScaleReadout:
     overflow_steps = property(lambda self: self._loss_scale.overflow_steps, doc="Skipped steps.")
     consecutive_overflows = property(lambda self: self._loss_scale.consecutive_overflows)
     last_overflow_iteration = property(lambda self: self._loss_scale.last_overflow_iteration)
-    last_step_overflowed = property(lambda self: self._loss_scale.last_step_overflowed)
 
     def snapshot(self) -> dict[str, tf.Tensor]:
         """The loss-scale values for logs, read in the graph (no host sync; after `apply`
@@ -422,13 +420,12 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
 
     def apply_finite_step(self, grads: Sequence[Any], trainable_variables: Any) -> None:
         """Applies already unscaled gradients through the inner optimizer; counts a clean step."""
-        iteration = read_now(self.iterations)
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
-        self._loss_scale.adjust(True, iteration)
+        self._loss_scale.adjust(True, self.iterations)
 
     def skip_step(self) -> None:
         """Leaves weights and slots alone; counts the overflow and backs the scale off."""
-        self._loss_scale.adjust(False, read_now(self.iterations))
+        self._loss_scale.adjust(False, self.iterations)
 
     @classmethod
     def from_config(

@@ -11,6 +11,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from tfmixprec._keras_compat import all_sublayers
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 
 __all__ = [
@@ -221,7 +222,7 @@ def check_built_model(model: Any, what: str) -> None:
 
 def iter_layers(model: keras.Model) -> list[Any]:
     """All layers of `model`, nested ones included, without the model itself."""
-    return [layer for layer in model._flatten_layers(include_self=False, recursive=True)]
+    return all_sublayers(model)
 
 
 def output_layers(model: keras.Model) -> list[Any]:

@@ -10,6 +10,7 @@ import tensorflow as tf
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
+from tfmixprec._keras_compat import tensorboard_batch_work, tensorboard_step, tensorboard_writer
 from tfmixprec.callbacks import GradientRangeMonitor, loss_scale_optimizer_of
 
 __all__ = ["TensorBoard", "dashboard_layout", "TAGS"]
@@ -127,28 +128,22 @@ class TensorBoard(keras.callbacks.TensorBoard):
         self._last_overflow_total = opt.read_state()["overflow_steps"]
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
-        with self._train_writer.as_default(), tf.summary.record_if(True):
+        with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
             summary = custom_scalar_summary.pb(dashboard_layout())
             tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=0)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        keras_has_work = (
-            self.update_freq != "epoch"
-            or self._should_write_train_graph
-            or self._should_trace
-            or self.write_steps_per_second
-        )
-        if keras_has_work:
+        if tensorboard_batch_work(self):
             super().on_train_batch_end(batch, logs)
         # else: with update_freq="epoch", Keras's callback would only issue per-batch
         # summaries that its writer discards (about 0.1 ms each, every batch): skipped.
         measured = False
         if self.gradient_monitor is not None:
             measured = self.gradient_monitor.step(logs if isinstance(logs, dict) else None)
-        if self.update_freq != "epoch" and self._global_train_batch % self.update_freq == 0:
-            self._write(self._global_train_batch)
+        if self.update_freq != "epoch" and tensorboard_step(self) % self.update_freq == 0:
+            self._write(tensorboard_step(self))
         elif measured and self.update_freq != "epoch":
-            self._write_gradients(self._global_train_batch)
+            self._write_gradients(tensorboard_step(self))
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_end(epoch, logs)
@@ -159,7 +154,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
         opt = loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
         state = opt.read_state()
         total = state["overflow_steps"]
-        with self._train_writer.as_default(), tf.summary.record_if(True):
+        with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
             tf.summary.scalar(TAGS["loss_scale"], state["loss_scale"], step=step)
             tf.summary.scalar(TAGS["overflow"], float(total - self._last_overflow_total), step=step)
             tf.summary.scalar(TAGS["overflow_steps"], float(total), step=step)
@@ -174,7 +169,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
             return  # already written
         self._grad_measured_at = monitor.last_step
         stats = monitor.weight_stats
-        with self._train_writer.as_default(), tf.summary.record_if(True):
+        with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
             tf.summary.scalar(TAGS["grad_underflow_fraction"], stats.underflow_fraction, step=step)
             tf.summary.scalar(TAGS["grad_subnormal_fraction"], stats.subnormal_fraction, step=step)
             if stats.log2_abs.size:
@@ -187,4 +182,4 @@ class TensorBoard(keras.callbacks.TensorBoard):
                     layer_stats.underflow_fraction,
                     step=step,
                 )
-        self._train_writer.flush()
+        tensorboard_writer(self).flush()

@@ -7,8 +7,8 @@ unscaled since the last `scale_loss`. `UnscaleLedger` holds that fact in per-rep
 - `record` marks gradients as unscaled: per variable when the variables are known (the
   optimizer is built and they are named, or the list covers all of them), or all of them when
   it runs before the optimizer is built ("blind", the first step of a TF 2 loop).
-- `divisors` gives, per gradient, what `apply` divides by (1 or the scale) and consumes the
-  marks of the variables it applies, so two `apply` calls on two halves both see theirs.
+- `unscale_for_apply` divides each gradient `apply` received by 1 or the scale and consumes
+  the marks of the variables it applies, so two `apply` calls on two halves both see theirs.
 - `clear` (in `scale_loss`) starts a step with nothing marked.
 
 Misuses that cannot be decided raise at run time (in eager mode at once) and change nothing.
@@ -17,7 +17,7 @@ The variables are not checkpointed: they describe one step, not the training run
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -94,9 +94,15 @@ def _replica_variable(value: Any, name: str) -> tf.Variable:
 
 
 class UnscaleLedger:
-    """Per-replica run-time record of which gradients are already unscaled (see module doc)."""
+    """Per-replica run-time record of which gradients are already unscaled (see module doc).
+
+    `marked` says whether anything is recorded since the last `clear`; while it is 0 the other
+    variables are stale and ignored, so a step that records nothing (Keras 3's way, and `fit`)
+    costs one scalar write in `clear` and one scalar read and branch in `unscale_for_apply`.
+    """
 
     def __init__(self) -> None:
+        self.marked = _replica_variable(0, "unscaled_marked")
         self.blind = _replica_variable(0, "unscaled_blind")
         self.blind_count = _replica_variable(0, "unscaled_blind_count")
         self.scaled_fingerprint = _replica_variable(0.0, "scaled_fingerprint")
@@ -109,7 +115,7 @@ class UnscaleLedger:
 
     def _check_replicas(self) -> None:
         ctx = tf.distribute.get_replica_context()
-        distributed = isinstance(self.blind, tf.distribute.DistributedValues)
+        distributed = isinstance(self.marked, tf.distribute.DistributedValues)
         if ctx is not None and ctx.num_replicas_in_sync > 1 and not distributed:
             raise ValueError(
                 "get_unscaled_gradients() under a strategy with "
@@ -133,9 +139,7 @@ class UnscaleLedger:
         """
         self._check_replicas()
         scaled = fingerprint(grads)
-        marked = self.blind.read_value() > 0
-        if self.marks is not None:
-            marked = tf.logical_or(marked, tf.reduce_any(self.marks.read_value() > 0))
+        marked = self.marked.read_value() > 0
         again = tf.logical_and(marked, _close(scaled, self.unscaled_fingerprint.read_value()))
         check = _check(tf.logical_not(again), UNSCALED_TWICE)
         with tf.control_dependencies([check]):
@@ -144,67 +148,95 @@ class UnscaleLedger:
             if indices is None:
                 self.blind.assign(_BLIND_KNOWN if knew_float8 else _BLIND_ALL)
                 self.blind_count.assign(len(grads))
+                if self.marks is not None:  # a function traced before the optimizer was built
+                    self.marks.assign(tf.zeros_like(self.marks.read_value()))
             else:
+                self.blind.assign(tf.where(marked, self.blind.read_value(), 0))
                 marks = self.marks.read_value()
+                marks = tf.where(marked, marks, tf.zeros_like(marks))
                 updates = tf.ones([len(indices)], tf.int32)
                 self.marks.assign(
                     tf.tensor_scatter_nd_update(marks, [[i] for i in indices], updates)
                 )
+            self.marked.assign(1)
         return check
 
     def clear(self) -> None:
         """A new step: nothing is unscaled until the next `record`."""
-        self.blind.assign(0)
-        if self.marks is not None:
-            self.marks.assign(tf.zeros_like(self.marks.read_value()))
+        self.marked.assign(0)
 
-    def divisors(
-        self, grads: list[Any], indices: list[int], scale: tf.Tensor, has_float8: bool
-    ) -> tf.Tensor:
-        """Per gradient, what `apply` divides it by: 1 if already unscaled, else `scale`.
+    def unscale_for_apply(
+        self,
+        grads: list[Any],
+        indices: list[int],
+        scale: tf.Tensor,
+        has_float8: bool,
+        divide: Callable[[Any, int, tf.Tensor], Any],
+    ) -> list[Any]:
+        """The gradients `apply` received, each divided by `scale` unless already unscaled.
 
         Consumes the marks of the variables at `indices`. Raises (at run time, changing
         nothing) if the gradients treated as unscaled are the scaled ones that were recorded,
-        or if a blind record cannot be matched to the variables.
+        or if a blind record cannot be matched to the variables. With nothing recorded (Keras
+        3's way, `fit`) this is one read and one branch around the divisions.
 
         Args:
-            grads: The gradients `apply` received.
+            grads: The gradients `apply` received (`None` allowed).
             indices: Their variables' positions in the optimizer.
             scale: The current loss scale.
             has_float8: Whether the optimizer trains variables overwritten with their gradient.
+            divide: `divide(grad, position, divisor)` returns one unscaled gradient.
         """
-        blind = self.blind.read_value() > 0
-        marks = tf.gather(self.marks.read_value(), indices) > 0 if indices else tf.zeros([0], bool)
-        unscaled = tf.logical_or(marks, blind)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return grads
+        scale = tf.cast(scale, tf.float32)
+
+        def checked() -> list[Any]:
+            divisors = self._consume(grads, indices, scale, has_float8)
+            return [divide(grads[i], i, divisors[i]) for i in present]
+
+        outputs = tf.cond(
+            self.marked.read_value() > 0,
+            checked,
+            lambda: [divide(grads[i], i, scale) for i in present],
+        )
+        result = list(grads)
+        for i, output in zip(present, outputs):
+            result[i] = output
+        return result
+
+    def _consume(
+        self, grads: list[Any], indices: list[int], scale: tf.Tensor, has_float8: bool
+    ) -> tf.Tensor:
+        blind_value = self.blind.read_value()
+        blind = blind_value > 0
+        marks = self.marks.read_value()
+        unscaled = tf.logical_or(tf.gather(marks, indices) > 0, blind)
         present = tf.constant([g is not None for g in grads], tf.bool)
         treated = tf.logical_and(unscaled, present)
 
         def looks_scaled() -> tf.Tensor:
-            sums = tf.stack([fingerprint([g]) for g in grads]) if grads else tf.zeros([0])
+            sums = tf.stack([fingerprint([g]) for g in grads])
             received = tf.reduce_sum(tf.where(treated, sums, 0.0))
             return tf.logical_and(
                 _close(received, self.scaled_fingerprint.read_value()),
                 tf.logical_not(_close(received, self.unscaled_fingerprint.read_value())),
             )
 
-        any_treated = tf.reduce_any(treated)
-        scaled_again = tf.cond(any_treated, looks_scaled, lambda: tf.constant(False))
+        scaled_again = tf.cond(tf.reduce_any(treated), looks_scaled, lambda: tf.constant(False))
         checks = [_check(tf.logical_not(scaled_again), SCALED_AGAIN)]
         count_ok = tf.logical_or(
-            tf.logical_not(blind), tf.equal(self.blind_count.read_value(), self.marks.shape[0])
+            tf.logical_not(blind), tf.equal(self.blind_count.read_value(), marks.shape[0])
         )
         checks.append(_check(count_ok, BLIND_COUNT))
         if has_float8:  # a blind record that did not know the variables divided them
-            blind_of_float8 = tf.equal(self.blind.read_value(), _BLIND_ALL)
-            checks.append(_check(tf.logical_not(blind_of_float8), BLIND_FLOAT8))
+            checks.append(_check(tf.not_equal(blind_value, _BLIND_ALL), BLIND_FLOAT8))
         with tf.control_dependencies(checks):
-            if indices:
-                consumed = tf.zeros([len(indices)], tf.int32)
-                self.marks.assign(
-                    tf.tensor_scatter_nd_update(
-                        self.marks.read_value(), [[i] for i in indices], consumed
-                    )
-                )
+            zeros = tf.zeros([len(indices)], tf.int32)
+            left = tf.tensor_scatter_nd_update(marks, [[i] for i in indices], zeros)
+            self.marks.assign(left)
             self.blind.assign(0)
+            self.marked.assign(tf.cast(tf.reduce_any(left > 0), tf.int32))
             use_scale = tf.logical_not(tf.logical_and(unscaled, tf.logical_not(scaled_again)))
-            return tf.where(use_scale, tf.cast(scale, tf.float32), 1.0)
+            return tf.where(use_scale, scale, 1.0)
