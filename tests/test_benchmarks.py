@@ -70,3 +70,8 @@ def test_parity_smoke():
     assert "| underflow | float32 | fp16 no scaling | fp16 fixed 128 | fp16 dynamic | bf16 |" in out
     assert "| test accuracy (mean ± sd over seeds) |" in out
     assert "| final loss scale | 1 | n/a | 128 | " in out
+
+
+def test_step_ops_smoke():
+    out = _run("step_ops.py", "--variables", "2", "--calls", "3", "--repeats", "1")
+    assert out.count("top level +") == 2 and "tfmixprec  ops:" in out
