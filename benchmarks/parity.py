@@ -11,7 +11,7 @@ Tasks:
 Columns: float32; mixed_float16 without loss scaling (plain Keras, `auto_scale_loss=False`);
 mixed_float16 with a fixed scale of 128; mixed_float16 with tfmixprec's dynamic scale;
 mixed_bfloat16. Rows: final test accuracy (mean over seeds), overflow (skipped) steps, final
-loss scale. float16 models are kept small: float16 math on a CPU is 16-70x slower.
+loss scale.
 
     python benchmarks/parity.py            # 3 seeds, the full table
     python benchmarks/parity.py --quick    # 1 seed, 2 epochs: a smoke run

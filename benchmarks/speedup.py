@@ -5,9 +5,12 @@ each policy is timed with plain Keras (`keras.Model` + `compile` + `fit`) and wi
 tfmixprec stack (`MixedPrecisionModel`, tfmixprec's optimizer), in one process, alternating
 runs; the ratio is to float32 of the same stack. On a GPU the script runs unchanged.
 
-float16 on a CPU is 16-70x slower than float32 in TensorFlow, so on a machine without a GPU
-its runs use fewer steps and a smaller batch (`--float16-steps`, `--float16-batch`); its
-samples/s is still per sample, and a small batch is, if anything, flattering to it.
+On a machine without a GPU, TensorFlow's float16 `_FusedMatMul` and convolution
+filter-gradient CPU kernels are 200-600x slower than float32; the tfmixprec stack routes around
+both (`tfmixprec.cpu_float16`) and runs float16 at full size. Plain Keras's float16 runs keep
+the convolution kernel (the remapper is process-wide, so once tfmixprec has turned it off for
+float16 it is off for them too) and use fewer steps and a smaller batch (`--float16-steps`,
+`--float16-batch`); their samples/s is still per sample.
 
     python benchmarks/speedup.py                  # all three models
     python benchmarks/speedup.py --models mlp --steps 10

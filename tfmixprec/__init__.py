@@ -1,5 +1,6 @@
 """tfmixprec: safe, visible and fast mixed-precision training for Keras 3 on TensorFlow."""
 
+from tfmixprec import cpu_float16
 from tfmixprec import testing
 from tfmixprec._version import __version__
 from tfmixprec.audit import AuditReport
@@ -51,6 +52,7 @@ __all__ = [
     "audit",
     "choose_policy",
     "compute_unscaled_gradients",
+    "cpu_float16",
     "dashboard_layout",
     "detect_hardware",
     "doctor",

@@ -11,6 +11,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from tfmixprec import cpu_float16
 from tfmixprec._keras_compat import all_sublayers
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 
@@ -161,6 +162,7 @@ def set_policy(name: str | keras.DTypePolicy, hardware: HardwareInfo | None = No
     if name == "auto":
         name = choose_policy(hardware).name
     keras.config.set_dtype_policy(name)
+    cpu_float16.route_around_fused_matmul(name)  # float16 without a GPU
     return keras.config.dtype_policy()
 
 

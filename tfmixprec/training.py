@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfmixprec import cpu_float16
 from tfmixprec._keras_compat import Functional, all_sublayers, functional_init_arguments
 from tfmixprec.optimizer import LossScaleOptimizer
 
@@ -35,6 +36,12 @@ def _computes_in_float16(model: Any) -> bool:
     if model.dtype_policy.compute_dtype == "float16":
         return True
     return any(layer.dtype_policy.compute_dtype == "float16" for layer in all_sublayers(model))
+
+
+def _route_around_slow_cpu_kernels(model: Any) -> None:
+    """float16 without a GPU: the remapper off and convolutions in float32 (`cpu_float16`)."""
+    cpu_float16.route_around_fused_matmul("mixed_float16")
+    cpu_float16.fast_float16_convolutions(model)
 
 
 def ensure_loss_scale_optimizer(
@@ -147,9 +154,12 @@ class MixedPrecisionMixin:
             **kwargs: Passed to `keras.Model.compile`.
         """
         optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer
+        float16 = _computes_in_float16(self)
         optimizer = ensure_loss_scale_optimizer(
-            optimizer, _computes_in_float16(self), loss_scaling, accumulation_steps
+            optimizer, float16, loss_scaling, accumulation_steps
         )
+        if float16:
+            _route_around_slow_cpu_kernels(self)
         super().compile(optimizer, *args, **kwargs)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
@@ -301,7 +311,10 @@ def make_train_step(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable. Received: loss_fn={loss_fn!r}")
     optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer
-    optimizer = ensure_loss_scale_optimizer(optimizer, _computes_in_float16(model))
+    float16 = _computes_in_float16(model)
+    optimizer = ensure_loss_scale_optimizer(optimizer, float16)
+    if float16:
+        _route_around_slow_cpu_kernels(model)
 
     def step(x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         with tf.GradientTape() as tape:
