@@ -63,19 +63,7 @@ class GradientAccumulator(tf.Module):
             apply_window: Called with the window's mean gradient of every variable, in the
                 order of `build`'s `var_list`, at the end of the window.
         """
-        strategy = tf.distribute.get_strategy()
-        if strategy.num_replicas_in_sync > 1:
-            raise ValueError(
-                "accumulation_steps > 1 is not supported under a tf.distribute strategy with "
-                f"{strategy.num_replicas_in_sync} replicas yet. Use accumulation_steps=1 and a "
-                f"larger global batch instead. Received: accumulation_steps={self.steps!r}"
-            )
-        if sorted(indices) != list(range(len(self.sums))):
-            raise ValueError(
-                f"With accumulation_steps={self.steps}, each apply() is one micro-batch and "
-                f"must cover all {len(self.sums)} variables of the optimizer (pass None for a "
-                f"variable without a gradient). Received gradients for {len(indices)} of them."
-            )
+        self._check_call(indices)
         for index, grad in zip(indices, grads):
             if grad is None:
                 continue
@@ -93,6 +81,21 @@ class GradientAccumulator(tf.Module):
             lambda: self._end_window(apply_window),
             lambda: None,
         )
+
+    def _check_call(self, indices: Sequence[int]) -> None:
+        strategy = tf.distribute.get_strategy()
+        if strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "accumulation_steps > 1 is not supported under a tf.distribute strategy with "
+                f"{strategy.num_replicas_in_sync} replicas yet. Use accumulation_steps=1 and a "
+                f"larger global batch instead. Received: accumulation_steps={self.steps!r}"
+            )
+        if sorted(indices) != list(range(len(self.sums))):
+            raise ValueError(
+                f"With accumulation_steps={self.steps}, each apply() is one micro-batch and "
+                f"must cover all {len(self.sums)} variables of the optimizer (pass None for a "
+                f"variable without a gradient). Received gradients for {len(indices)} of them."
+            )
 
     def _end_window(self, apply_window: Callable[[list[Any]], None]) -> None:
         means = [total.value / tf.cast(self.steps, total.dtype) for total in self.sums]
