@@ -16,8 +16,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._validate import check_int_at_least_one
-from tfmixprec.loss_scale import LOG_KEYS, gradient_values
+from tfmixprec.loss_scale import LOG_KEYS
 from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.unscaling import gradient_values
 
 __all__ = [
     "LossScaleMonitor",
@@ -28,7 +29,6 @@ __all__ = [
     "loss_scale_optimizer_of",
 ]
 
-MONITOR_KEYS = LOG_KEYS
 FLOAT16_TINIEST = 2.0**-24  # smallest float16 subnormal: below it, values flush to zero
 FLOAT16_SMALLEST_NORMAL = 2.0**-14
 FLOAT16_MAX = 65504.0
@@ -107,7 +107,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         logs = logs if logs is not None else {}
         opt = loss_scale_optimizer_of(self.model, "LossScaleMonitor")
         self._step += 1
-        if not all(key in logs for key in MONITOR_KEYS):
+        if not all(key in logs for key in LOG_KEYS):
             # Keras's own train_step: compute them here (tfmixprec's returns them already,
             # computed in the graph, which costs nothing per batch).
             logs.update(self._values(opt))

@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 
 from tfmixprec._validate import check_float32_scale, check_int_at_least_one, is_number
-from tfmixprec.unscaling import UnscaleLedger
+from tfmixprec.unscaling import UnscaleLedger, gradient_values
 
 __all__ = ["LOG_KEYS", "LossScale", "LossScaleConfig"]
 
@@ -109,11 +109,6 @@ def read_now(value: Any) -> tf.Tensor:
     return tf.convert_to_tensor(value)
 
 
-def gradient_values(grads: Sequence[Any]) -> list[Any]:
-    """The dense value tensors of `grads`: `None` dropped, `tf.IndexedSlices` as their values."""
-    return [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
-
-
 def _wide_dtype(dtype: tf.DType) -> tf.DType:
     """float64 stays float64; everything narrower is computed in float32."""
     return tf.float64 if dtype == tf.float64 else tf.float32
@@ -164,12 +159,11 @@ class LossScale(tf.Module):
     def scale(self, loss: Any) -> tf.Tensor:
         """`loss * scale`, computed in float32 (float64 stays float64). Starts a step: the
         gradients reaching `unscale_received` are scaled until `unscale_returned` runs."""
-        if not self.config.is_identity:
-            self.ledger.clear()
         loss = tf.convert_to_tensor(loss)
         loss = tf.cast(loss, _wide_dtype(loss.dtype))
         if self.config.is_identity:
             return loss
+        self.ledger.clear()
         return loss * tf.cast(read_now(self.scale_variable), loss.dtype)
 
     def unscale(

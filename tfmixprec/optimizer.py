@@ -399,9 +399,8 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         variables = tracked if trainable_variables is None else list(trainable_variables)
         keep = [self.overwrites_with_gradient(v) for v in variables]
         indices = [self.variable_index(v) for v in variables]
-        grads = self._loss_scale.unscale_received(
-            grads, keep, indices, any(keep) or any(map(self.overwrites_with_gradient, tracked))
-        )
+        has_float8 = any(map(self.overwrites_with_gradient, tracked))
+        grads = self._loss_scale.unscale_received(grads, keep, indices, has_float8)
         if self._accumulator is None:
             super().apply(grads, trainable_variables)
         else:

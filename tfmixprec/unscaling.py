@@ -22,7 +22,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["UnscaleLedger", "fingerprint"]
+__all__ = ["UnscaleLedger", "fingerprint", "gradient_values"]
 
 SCALED_AGAIN = (
     "get_unscaled_gradients() was called since the last scale_loss(), but apply() / "
@@ -57,14 +57,14 @@ _BLIND_ALL, _BLIND_KNOWN = 1, 2
 _FINGERPRINT_RTOL = 2.0**-10
 
 
+def gradient_values(grads: Sequence[Any]) -> list[Any]:
+    """The dense value tensors of `grads`: `None` dropped, `tf.IndexedSlices` as their values."""
+    return [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+
+
 def fingerprint(grads: Sequence[Any]) -> tf.Tensor:
     """Sum of |g| over the gradients, in float32: tells scaled from unscaled gradients."""
-    parts = []
-    for grad in grads:
-        if grad is None:
-            continue
-        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-        parts.append(tf.reduce_sum(tf.abs(tf.cast(values, tf.float32))))
+    parts = [tf.reduce_sum(tf.abs(tf.cast(v, tf.float32))) for v in gradient_values(grads)]
     return tf.add_n(parts) if parts else tf.constant(0.0)
 
 
