@@ -6,6 +6,11 @@ import keras
 import pytest
 
 import tfmixprec
+from tfmixprec.hardware import GPUInfo, HardwareInfo
+
+# The model's own findings, the same on any machine; the machine's are tested on their own.
+A100 = HardwareInfo(gpus=(GPUInfo("NVIDIA A100", (8, 0)),))
+CPU_ONLY = HardwareInfo(cpu_name="Test CPU")
 
 
 def _codes(report):
@@ -28,7 +33,7 @@ def _clean_model():
 
 
 def test_clean_model_has_no_findings():
-    report = tfmixprec.audit(_clean_model())
+    report = tfmixprec.audit(_clean_model(), hardware=A100)
     assert report.findings == []
     assert report.ok
     assert "No findings: the model is ready for mixed precision." in str(report)
@@ -49,7 +54,7 @@ def test_softmax_output_and_alignment_findings():
             keras.layers.Dense(8, name="out"),
         ]
     )
-    report = tfmixprec.audit(model)
+    report = tfmixprec.audit(model, hardware=A100)
     assert _codes(report) == [
         ("error", "low-precision-softmax", "attn"),
         ("error", "low-precision-output", "out"),
@@ -101,11 +106,34 @@ def test_float16_model_with_plain_optimizer():
         [keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(8, dtype="float32")]
     )
     hidden.compile(optimizer=keras.optimizers.Adam(), loss="mse", auto_scale_loss=False)
-    report = tfmixprec.audit(hidden)
+    report = tfmixprec.audit(hidden, hardware=A100)
     assert _codes(report) == [("error", "no-loss-scaling", None)]
     assert "optimizer Adam does not scale the loss" in report.errors[0].message
     hidden.compile(optimizer="adam", loss="mse")  # Keras wraps in its own LSO: accepted
-    assert tfmixprec.audit(hidden).findings == []
+    assert tfmixprec.audit(hidden, hardware=A100).findings == []
+
+
+def test_on_a_cpu_says_which_float16_layers_run_slow_kernels_until_routed():
+    model = _clean_model()
+    (finding,) = tfmixprec.audit(model, hardware=CPU_ONLY).findings
+    assert (finding.severity, finding.code) == ("info", "cpu-float16-kernels")
+    assert "2 float16 layer(s) ('hidden', 'logits') run TensorFlow's slow" in finding.message
+    assert "tfmixprec.cpu_float16.fast_float16_layers(model)" in finding.fix
+    assert tfmixprec.audit(model, hardware=A100).findings == []  # a GPU has no such kernels
+    tfmixprec.cpu_float16.fast_float16_layers(model, CPU_ONLY)
+    assert tfmixprec.audit(model, hardware=CPU_ONLY).findings == []
+
+
+def test_warns_of_xla_with_bfloat16_on_a_cpu():
+    tfmixprec.set_policy("mixed_bfloat16")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, dtype="float32")])
+    model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    (finding,) = tfmixprec.audit(model, hardware=CPU_ONLY).findings
+    assert (finding.severity, finding.code) == ("warning", "xla-bfloat16-cpu")
+    assert finding.fix == "Compile with jit_compile=False (Keras's default on CPUs)."
+    assert tfmixprec.audit(model, hardware=A100).findings == []
+    model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    assert tfmixprec.audit(model, hardware=CPU_ONLY).findings == []
 
 
 def test_float16_variables():

@@ -75,3 +75,12 @@ def test_parity_smoke():
 def test_step_ops_smoke():
     out = _run("step_ops.py", "--variables", "2", "--calls", "3", "--repeats", "1")
     assert out.count("top level +") == 2 and "tfmixprec  ops:" in out
+
+
+def test_cpu_kernels_smoke():
+    out = _run("cpu_kernels.py", "--size", "32", "--repeats", "1")
+    assert "remapper on (default): ms per call (x float32)" in out
+    assert "remapper off: ms per call (x float32)" in out
+    for op in ("MatMul, transposed", "Dense forward", "attention einsum", "Conv2DBackpropFilter"):
+        assert out.count(op) == 2  # once per remapper setting
+    assert out.count("(  1.00x)") >= 10  # the float32 column of every row

@@ -74,7 +74,9 @@ def test_audit_exit_codes(saved_models):
     assert "ERROR   low-precision-softmax" in out
     code, out, _ = run("audit", str(saved_models / "clean.keras"))
     assert code == 0, out
-    assert "No findings" in out
+    assert "ERROR" not in out and "WARNING" not in out
+    if not tfmixprec.detect_hardware().gpus:  # what is slow here is said, as information
+        assert "INFO    cpu-float16-kernels" in out
     code, out, _ = run("audit", str(saved_models / "float32.keras"))
     assert code == 0
     code, out, _ = run("audit", str(saved_models / "float32.keras"), "--policy", "mixed_float16")

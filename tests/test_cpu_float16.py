@@ -1,4 +1,4 @@
-"""Tests of `tfmixprec.cpu_float16`: float16 on a CPU routed around the two slow kernels.
+"""Tests of `tfmixprec.cpu_float16`: float16 on a CPU routed around the slow kernels.
 
 The workarounds change which kernels run, not what is computed: training with and without
 them gives the same updates (within float16 rounding), and on a GPU they never apply.
@@ -74,14 +74,14 @@ def _cnn(policy):
 
 def test_float16_convolutions_convolve_in_float32_on_cpus_only():
     model = _cnn("mixed_float16")
-    assert cpu_float16.fast_float16_convolutions(model, WITH_GPU) == []
+    assert cpu_float16.fast_float16_layers(model, WITH_GPU) == []
     assert "convolution_op" not in vars(model.layers[1])
-    changed = cpu_float16.fast_float16_convolutions(model, CPU_ONLY)
+    changed = cpu_float16.fast_float16_layers(model, CPU_ONLY)
     assert changed == [model.layers[1].name, model.layers[3].name]
-    assert cpu_float16.fast_float16_convolutions(model, CPU_ONLY) == changed  # idempotent
+    assert cpu_float16.fast_float16_layers(model, CPU_ONLY) == changed  # idempotent
     outputs = model.layers[1](tf.ones((1, 8, 8, 3)))
     assert outputs.dtype == tf.float16  # the layer's output dtype is unchanged
-    assert cpu_float16.fast_float16_convolutions(_cnn("mixed_bfloat16"), CPU_ONLY) == []
+    assert cpu_float16.fast_float16_layers(_cnn("mixed_bfloat16"), CPU_ONLY) == []
 
 
 def _train(model, steps=3):
@@ -135,10 +135,138 @@ def test_remapper_off_gives_the_same_dense_updates(remapper_restored):
 
 def test_saved_model_keeps_no_trace_of_the_workaround(tmp_path):
     model = _cnn("mixed_float16")
-    cpu_float16.fast_float16_convolutions(model, CPU_ONLY)
+    cpu_float16.fast_float16_layers(model, CPU_ONLY)
     path = tmp_path / "cnn.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
     assert "convolution_op" not in vars(loaded.layers[1])
     x = np.ones((2, 8, 8, 3), "float32")
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=2e-3)
+
+
+class _OwnCallDense(keras.layers.Dense):
+    def call(self, inputs):
+        return super().call(inputs) * 2
+
+
+def _transformer_bits():
+    """Dense, EinsumDense (inside MultiHeadAttention), a Dense subclass with its own call."""
+    with tfmixprec.policy_scope("mixed_float16"):
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((6, 16))
+        h = keras.layers.MultiHeadAttention(2, 8, name="mha")(inputs, inputs)
+        h = keras.layers.Dense(32, activation="relu", name="ffn")(h)
+        h = _OwnCallDense(16, name="own_call")(h)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        return keras.Model(inputs, keras.layers.Dense(4, dtype="float32", name="head")(h))
+
+
+def test_float16_dense_and_einsum_dense_compute_their_product_in_float32():
+    model = _transformer_bits()
+    assert cpu_float16.fast_float16_layers(model, WITH_GPU) == []
+    changed = cpu_float16.fast_float16_layers(model, CPU_ONLY)
+    # The four EinsumDense of the attention and the float16 Dense; not the subclass with
+    # its own call, not the float32 head.
+    assert sorted(changed) == ["attention_output", "ffn", "key", "query", "value"]
+    ffn = model.get_layer("ffn")
+    assert "call" in vars(ffn) and "call" not in vars(model.get_layer("own_call"))
+    assert ffn(tf.ones((1, 6, 16))).dtype == tf.float16
+
+
+def _train_transformer_bits(steps=3):
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(8, 6, 16)).astype("float32")
+    y = rng.normal(size=(8, 4)).astype("float32")
+    model = _transformer_bits()
+    opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=256.0)
+    step = tfmixprec.make_train_step(model, keras.losses.MeanSquaredError(), opt)
+    for _ in range(steps):
+        step(x, y)
+    return model, [w.numpy() for w in model.trainable_weights]
+
+
+def test_float32_products_give_the_same_updates_within_float16_rounding(remapper_restored):
+    cpu_float16.disable()
+    plain_model, plain = _train_transformer_bits()
+    assert "call" not in vars(plain_model.get_layer("ffn"))
+    cpu_float16.enable()
+    fast_model, fast = _train_transformer_bits()
+    assert "call" in vars(fast_model.get_layer("ffn"))
+    for a, b in zip(plain, fast):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
+    assert any(not np.array_equal(a, b) for a, b in zip(plain, fast))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_float16_overflow_still_overflows_with_float32_products(fast):
+    """The forward product and the kernel's gradient overflow float16 with or without the
+    workaround, so the loss scale behaves on a CPU as it would on a GPU."""
+    with tfmixprec.policy_scope("mixed_float16"):
+        layer = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
+        layer.build((None, 2))
+    if fast:
+        assert cpu_float16.fast_float16_layers(layer, CPU_ONLY) == [layer.name]
+    assert not np.isfinite(layer(tf.fill((1, 2), 40000.0)).numpy()).any()  # 80000 > 65504
+    x = tf.fill((2, 2), 300.0)
+    with tf.GradientTape() as tape:
+        outputs = layer(x)
+        loss = tf.reduce_sum(tf.cast(outputs, tf.float32)) * 200.0  # d/dkernel: 2*300*200
+    (grad,) = tape.gradient(loss, layer.trainable_variables)
+    assert grad.dtype == tf.float32
+    assert not np.isfinite(grad.numpy()).any()
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8)
+        self.head = keras.layers.Dense(2, dtype="float32")
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+def test_finding_output_layers_keeps_the_float32_product():
+    with tfmixprec.policy_scope("mixed_float16"):
+        model = _Subclassed()
+        model.build((None, 4))
+    assert cpu_float16.fast_float16_layers(model, CPU_ONLY) == [model.hidden.name]
+    # Finding a subclassed model's output layers replaces and restores each layer's call.
+    assert tfmixprec.policy.output_layers(model) == [model.head]
+    assert vars(model.hidden)["call"].__func__ is cpu_float16._float32_product_call
+    assert "call" not in vars(model.head)
+
+
+def _realistic_cnn(policy):
+    with tfmixprec.policy_scope(policy):
+        keras.utils.set_random_seed(11)
+        inputs = keras.Input((32, 32, 3))
+        h = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+        h = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(h)
+        h = keras.layers.MaxPooling2D()(h)
+        h = keras.layers.GlobalAveragePooling2D()(h)
+        h = keras.layers.Dense(128, activation="relu")(h)
+        outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")(h)
+        return tfmixprec.MixedPrecisionModel(inputs, outputs)
+
+
+def test_a_realistic_float16_cnn_trains_on_a_cpu_like_float32():
+    """GPU-sized layers (32x32x3 images, 32/64 filters) train in float16 through `fit` on a
+    CPU and track float32 from the same weights: the routed kernels make this a test that
+    takes seconds (the float16 filter gradient alone would take tens of seconds per step)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(64, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(64,)).astype("int32")
+    trained = {}
+    for policy in ("float32", "mixed_float16"):
+        model = _realistic_cnn(policy)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="sparse_categorical_crossentropy")
+        history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+        trained[policy] = (history.history, [w.numpy() for w in model.trainable_weights])
+    (h32, w32), (h16, w16) = trained["float32"], trained["mixed_float16"]
+    if not tfmixprec.detect_hardware().gpus:  # the two convolutions and the hidden Dense
+        assert list(cpu_float16.float16_product_layers(model).values()) == [True] * 3
+    assert h16["overflow_steps"][-1] == 0.0  # no step skipped: the same 4 updates
+    np.testing.assert_allclose(h16["loss"], h32["loss"], rtol=2e-3)
+    for a, b in zip(w32, w16):
+        np.testing.assert_allclose(a, b, atol=2e-3)

@@ -9,6 +9,8 @@ from typing import Any
 
 import keras
 
+from tfmixprec import cpu_float16
+from tfmixprec.hardware import HardwareInfo, detect_hardware
 from tfmixprec.policy import (
     LOW_PRECISION,
     check_built_model,
@@ -167,7 +169,45 @@ def _sizes_to_align(layer: Any) -> list[tuple[str, int]]:
     return sizes
 
 
-def audit(model: keras.Model, policy: str | None = None) -> AuditReport:
+def _this_machine_findings(model: keras.Model, hardware: HardwareInfo) -> list[Finding]:
+    """What is slow for this model on this machine (a CPU without a GPU), and the fix."""
+    if hardware.gpus or hardware.tpus:
+        return []
+    findings = []
+    slow = [name for name, done in cpu_float16.float16_product_layers(model).items() if not done]
+    if slow:
+        shown = ", ".join(repr(name) for name in slow[:3]) + (", ..." if len(slow) > 3 else "")
+        findings.append(
+            Finding(
+                "info",
+                "cpu-float16-kernels",
+                None,
+                f"on this machine (no GPU), {len(slow)} float16 layer(s) ({shown}) run "
+                "TensorFlow's slow float16 CPU kernels: the convolution filter gradient "
+                "(up to ~600x float32) and, without AVX512_FP16, float16 matmuls (1.1-3x).",
+                "Train through tfmixprec (MixedPrecisionModel.compile or make_train_step do it), "
+                "or call tfmixprec.cpu_float16.fast_float16_layers(model): their products then "
+                "run in float32, within float16 rounding.",
+            )
+        )
+    compute = model.dtype_policy.compute_dtype
+    if compute == "bfloat16" and getattr(model, "compiled", False) and model.jit_compile:
+        findings.append(
+            Finding(
+                "warning",
+                "xla-bfloat16-cpu",
+                None,
+                "compiled with jit_compile=True under bfloat16 on a CPU: XLA's CPU backend "
+                "does not use AMX/AVX512_BF16, so bfloat16 steps can be slower than float32.",
+                "Compile with jit_compile=False (Keras's default on CPUs).",
+            )
+        )
+    return findings
+
+
+def audit(
+    model: keras.Model, policy: str | None = None, hardware: HardwareInfo | None = None
+) -> AuditReport:
     """Checks a built model for mixed-precision problems.
 
     Flags: softmax/sigmoid/log-softmax layers and model outputs computed in float16 or
@@ -180,7 +220,9 @@ def audit(model: keras.Model, policy: str | None = None) -> AuditReport:
         model: `keras.Model`. A built model.
         policy: String. Audit as if the model had been built under this policy (`"auto"`
             allowed): layers that follow the model's own policy are assumed to follow this
-            one; layers with a policy of their own keep it. `None` audits the model as it is.
+            one; layers with a policy of their own keep it. `None` audits the model as it is,
+            on this machine (it also says what is slow for it here, e.g. float16 on a CPU).
+        hardware: `HardwareInfo`. The machine for those findings; detected when `None`.
 
     Returns:
         An `AuditReport`.
@@ -305,6 +347,10 @@ def audit(model: keras.Model, policy: str | None = None) -> AuditReport:
                     "Compile with tfmixprec.LossScaleOptimizer(your_optimizer).",
                 )
             )
+    if policy is None:
+        findings.extend(
+            _this_machine_findings(model, detect_hardware() if hardware is None else hardware)
+        )
     order = {s: i for i, s in enumerate(SEVERITIES)}
     findings.sort(key=lambda f: order[f.severity])
     return AuditReport(model=model.name, policy=audited_policy, findings=findings, layers=rows)

@@ -181,9 +181,9 @@ def run_bench(
         steps: Int. Steps per timed run.
         repeats: Int. Timed runs per variant (the median is reported).
         float16_steps: Int. Steps per run for plain-Keras float16 variants on a machine
-            without a GPU (TensorFlow's float16 _FusedMatMul and conv filter-gradient CPU
-            kernels are 200-600x slower; tfmixprec's stack routes around them and runs at
-            full size); defaults to `steps`.
+            without a GPU (TensorFlow's float16 conv filter-gradient CPU kernel is up to
+            ~600x slower than float32, its fused MatMul up to ~200x on some CPUs; tfmixprec's stack
+            routes around them and runs at full size); defaults to `steps`.
         float16_batch: Int. Batch size for those variants (their samples/s is per sample, but
             a smaller batch is less efficient, so it flatters float16 no more than float32);
             defaults to `batch`.
@@ -213,7 +213,7 @@ def run_bench(
                     optimizer=keras.optimizers.Adam(1e-4), loss="sparse_categorical_crossentropy"
                 )
             n, b = steps, batch
-            # float16 on a CPU is slow only in two kernels, which tfmixprec routes around
+            # float16 on a CPU is slow only in a few kernels, which tfmixprec routes around
             # (`cpu_float16`); plain Keras keeps them, so its float16 runs are cut short.
             routed = stack == "tfmixprec" and cpu_float16.applies(resolved, hardware)
             if resolved == "mixed_float16" and slow_float16 and not routed:

@@ -1,23 +1,34 @@
-"""float16 at float32 speed on CPUs: route around TensorFlow's two slow float16 CPU kernels.
+"""float16 at float32 speed on CPUs: route around TensorFlow's slow float16 CPU kernels.
 
-Measured on a 2-core Sapphire Rapids Xeon (TensorFlow 2.21, oneDNN, AVX512_FP16), float16 on
-a CPU is not slow; two kernels are (benchmarks/RESULTS.md, 2b; on an AMD EPYC without
-AVX512_FP16 the convolution kernel is slow too, the fused MatMul is not, and plain float16
-matmul is somewhat slower than float32):
+float16 on a CPU is not slow; some of TensorFlow's float16 CPU kernels are. Measured with
+TensorFlow 2.21 (benchmarks/RESULTS.md, 2b) on three 2-core machines: a Sapphire Rapids Xeon
+(AVX512_FP16, AMX), an AMD EPYC with AVX512_BF16 but no AVX512_FP16, and an AMD EPYC Zen 3
+(no AVX-512 at all):
 
-- grappler's remapper fuses MatMul + BiasAdd into `_FusedMatMul`, whose float16 CPU kernel is
-  about 200x slower than float32 (a `Dense` forward: 265 ms; unfused float16: 1.4 ms). The
-  fix: the remapper off once a float16 policy or model meets a machine without a GPU
+- `Conv2DBackpropFilter` (the convolution filter gradient) in float16 is about 600x slower
+  than float32 on the Xeon and the AVX512_BF16 EPYC (6.3 s vs 10.8 ms), 2.5x on the Zen 3.
+  The fix: float16 convolution layers compute their convolution in float32 (inputs and
+  kernel cast up, output cast back to float16), so forward, input gradient and filter
+  gradient all run float32 kernels.
+- grappler's remapper fuses MatMul + BiasAdd into `_FusedMatMul`, whose float16 CPU kernel
+  was about 200x slower than float32 on the Xeon (a `Dense` forward: 265 ms; unfused float16:
+  1.4 ms); on the EPYCs it is not. The fix: the remapper off once a float16 policy or
+  model meets a machine without a GPU
   (`tf.config.optimizer.set_experimental_options({"remapping": False})`, process-wide, as
-  the policy is); measured not to slow float32 or bfloat16 models here.
-- `Conv2DBackpropFilter` in float16 is about 600x slower (6.3 s vs 10.8 ms). The fix: float16
-  convolution layers compute their convolution in float32 (inputs and kernel cast up, output
-  cast back to float16), so forward, input gradient and filter gradient all run float32
-  kernels; the layer's output and its variables are unchanged, the values agree within
-  float16 rounding.
+  the policy is); measured not to slow float32 or bfloat16 models.
+- Without AVX512_FP16 float16 matmuls fall back to slower kernels: 1.1-1.5x float32 for a
+  plain or transposed matmul, 3x for attention's batched einsum (Zen 3). The fix: float16
+  `Dense` and `EinsumDense` layers compute their product in float32 the same way
+  (`python benchmarks/cpu_kernels.py` times each kernel and its float32 route).
 
-Both are on by default where they help (a float16 policy and no GPU) and never on a GPU;
-`enable` / `disable` switch them.
+With all three, float16 trains within 1.2x of float32's step time on the Zen 3: a 4x2048 MLP
+1.00x, a CNN 1.15x, a Transformer block 0.96x (plain Keras float16: 0.10x, 0.29x and 0.90x
+of float32's throughput, even at batch 16).
+
+In each case the layer's output, its variables and its saved file are unchanged, the values
+agree within float16 rounding, and an overflow past float16's range is still `inf`. All are
+on by default where they help (a float16 policy and no GPU) and never on a GPU; `enable` /
+`disable` switch them.
 """
 
 from __future__ import annotations
@@ -35,13 +46,14 @@ __all__ = [
     "applies",
     "disable",
     "enable",
-    "fast_float16_convolutions",
+    "fast_float16_layers",
+    "float16_product_layers",
     "route_around_fused_matmul",
     "status",
 ]
 
 _STATE = {"enabled": True, "remapper_was": None}  # process-wide TF config, like the policy
-_WRAPPED = "_tfmixprec_float32_convolution"
+_WRAPPED = "_tfmixprec_float32_product"
 
 
 def _on_cpu_only(hardware: HardwareInfo | None) -> bool:
@@ -83,38 +95,88 @@ def _float32_convolution(layer: Any, inputs: Any, kernel: Any) -> Any:
     return tf.cast(result, layer.compute_dtype)
 
 
-def fast_float16_convolutions(
-    model: keras.Model, hardware: HardwareInfo | None = None
-) -> list[str]:
-    """Makes the float16 convolution layers of `model` convolve in float32, on CPUs only.
+def _float32_product_call(layer: Any, inputs: Any, training: Any = None) -> Any:
+    """`Dense.call` / `EinsumDense.call` with the product in float32.
 
-    Nothing changes on a machine with a GPU, with the workarounds disabled, or for layers
-    that do not compute in float16. Calling it twice changes nothing more.
+    The kernel is read in float16 first, so its gradient passes a float16 cast and overflows
+    where a float16 product's would; bias and activation stay in float16, as in Keras.
+    """
+    kernel = tf.cast(keras.ops.cast(layer.kernel, layer.compute_dtype), tf.float32)
+    inputs = tf.cast(inputs, tf.float32)
+    if isinstance(layer, keras.layers.EinsumDense):
+        x = tf.einsum(layer.equation, inputs, kernel)
+    else:
+        x = keras.ops.matmul(inputs, kernel)
+    x = tf.cast(x, layer.compute_dtype)
+    if layer.bias is not None:
+        x = keras.ops.add(x, layer.bias)
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x
+
+
+# What each workaround replaces, on which layers (measured reasons in the module docstring).
+# A subclass that overrides `call` keeps its own (the replacement re-implements Keras's).
+_PRODUCT_CLASSES = (keras.layers.Dense, keras.layers.EinsumDense)
+
+
+def _float32_method(layer: Any) -> tuple[str, Any] | None:
+    if hasattr(type(layer), "convolution_op"):
+        return "convolution_op", _float32_convolution
+    for cls in _PRODUCT_CLASSES:
+        if type(layer).call is cls.call and getattr(layer, "quantization_mode", None) is None:
+            return "call", _float32_product_call
+    return None
+
+
+def _product_layers(model: keras.Model) -> list[Any]:
+    return [
+        layer
+        for layer in [model, *all_sublayers(model)]  # a single layer works too
+        if layer.compute_dtype == "float16" and _float32_method(layer) is not None
+    ]
+
+
+def float16_product_layers(model: keras.Model) -> dict[str, bool]:
+    """The float16 layers whose product `fast_float16_layers` computes in float32:
+    `{layer name: True if it already does}` (whatever the hardware)."""
+    return {layer.name: bool(getattr(layer, _WRAPPED, False)) for layer in _product_layers(model)}
+
+
+def fast_float16_layers(model: keras.Model, hardware: HardwareInfo | None = None) -> list[str]:
+    """Makes the float16 convolution, `Dense` and `EinsumDense` layers of `model` compute
+    their products in float32, on CPUs only.
+
+    Inputs and kernel are cast up and the product cast back to float16: the layer's output,
+    its variables and its saved file are unchanged, the values agree within float16
+    rounding, and an overflow past float16's range still shows as `inf` (in the output and,
+    for the kernel's gradient, at its float16 cast). Nothing changes on a machine with a GPU,
+    with the workarounds disabled, or for layers that do not compute in float16 (or are
+    quantized, or subclass `Dense` with their own `call`). Calling it twice changes nothing
+    more.
 
     Args:
-        model: `keras.Model`. The model (its nested layers included).
+        model: `keras.Model` or `keras.Layer`. The model (its nested layers included).
         hardware: `HardwareInfo`; detected when `None`.
 
     Returns:
-        The names of the layers that now convolve in float32.
+        The names of the layers that now compute in float32.
 
     Example:
 
-    >>> tfmixprec.cpu_float16.fast_float16_convolutions(model)
+    >>> tfmixprec.cpu_float16.fast_float16_layers(model)
     []
     """
     if not _STATE["enabled"] or not _on_cpu_only(hardware):
         return []
-    changed = []
-    for layer in all_sublayers(model):
-        if not hasattr(type(layer), "convolution_op") or layer.compute_dtype != "float16":
-            continue
+    layers = _product_layers(model)
+    for layer in layers:
         if not getattr(layer, _WRAPPED, False):
+            name, method = _float32_method(layer)
             # An instance attribute: the class, saved configs and other models are untouched.
-            layer.convolution_op = types.MethodType(_float32_convolution, layer)
+            setattr(layer, name, types.MethodType(method, layer))
             setattr(layer, _WRAPPED, True)
-        changed.append(layer.name)
-    return changed
+    return [layer.name for layer in layers]
 
 
 def enable() -> None:
@@ -124,8 +186,8 @@ def enable() -> None:
 
 
 def disable() -> None:
-    """Turns them off: the remapper back as it was, no new float32 convolutions (layers
-    already changed keep convolving in float32)."""
+    """Turns them off: the remapper back as it was, no new float32 products (layers
+    already changed keep computing in float32)."""
     _STATE["enabled"] = False
     if _STATE["remapper_was"] is not None:
         tf.config.optimizer.set_experimental_options({"remapping": _STATE["remapper_was"]})

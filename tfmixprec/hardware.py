@@ -178,18 +178,19 @@ def _cpu_float16_note(hardware: HardwareInfo, recommended: str) -> str:
     if not cpu_float16.applies("mixed_float16", hardware):
         return (
             "mixed_float16 without a GPU, and tfmixprec's CPU float16 workarounds are off "
-            "(tfmixprec.cpu_float16.disable()): TensorFlow's float16 _FusedMatMul and "
-            "Conv2DBackpropFilter CPU kernels are 200x and 600x slower than float32. Turn them "
-            "on with tfmixprec.cpu_float16.enable()."
+            "(tfmixprec.cpu_float16.disable()): TensorFlow's float16 Conv2DBackpropFilter CPU "
+            "kernel is up to ~600x slower than float32, the fused MatMul up to ~200x on some CPUs. "
+            "Turn them on with tfmixprec.cpu_float16.enable()."
         )
     return (
-        "mixed_float16 without a GPU: TensorFlow's float16 Conv2DBackpropFilter CPU kernel is "
-        "~600x slower than float32, and on some CPUs (a Sapphire Rapids Xeon, TF 2.21) so is "
-        "the float16 _FusedMatMul that grappler's remapper makes (~200x). tfmixprec routes "
-        "around both: the remapper is off for float16 (tfmixprec.set_policy, "
-        "MixedPrecisionModel.compile, make_train_step), and float16 convolutions compute in "
+        "mixed_float16 without a GPU: some of TensorFlow's float16 CPU kernels are slow, not "
+        "float16: Conv2DBackpropFilter (up to ~600x float32), the _FusedMatMul that grappler's "
+        "remapper makes on some CPUs (~200x on a Sapphire Rapids Xeon, TF 2.21), and float16 "
+        "matmuls without AVX512_FP16 (1.1-3x). tfmixprec routes around them: the remapper is "
+        "off for float16 (tfmixprec.set_policy, MixedPrecisionModel.compile, make_train_step), "
+        "and float16 convolution, Dense and EinsumDense layers compute their products in "
         "float32 (MixedPrecisionModel.compile and make_train_step do it; for a plain "
-        "keras.Model call tfmixprec.cpu_float16.fast_float16_convolutions(model)). For speed "
+        "keras.Model call tfmixprec.cpu_float16.fast_float16_layers(model)). For speed "
         f"on this machine use {recommended!r} (tfmixprec.set_policy('auto'))."
     )
 

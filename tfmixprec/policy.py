@@ -269,6 +269,7 @@ def _probe_output_layers(model: keras.Model) -> list[Any]:
     shape = [1 if dim is None else dim for dim in next(iter(shapes.values()))]
     produced: dict[int, tuple[Any, Any]] = {}  # id -> (layer, tensor kept alive)
     leaves = [layer for layer in iter_layers(model) if not getattr(layer, "layers", None)]
+    own_calls = {id(layer): vars(layer).get("call") for layer in leaves}  # e.g. cpu_float16's
     for layer in leaves:
 
         def watched(*args, __layer=layer, __call=layer.call, **kwargs):
@@ -282,7 +283,10 @@ def _probe_output_layers(model: keras.Model) -> list[Any]:
         result = model(np.zeros(shape, "float32"), training=False)
     finally:
         for layer in leaves:
-            del layer.call  # back to the class method
+            if own_calls[id(layer)] is None:
+                del layer.call  # back to the class method
+            else:
+                layer.call = own_calls[id(layer)]
     layers = []
     for tensor in keras.tree.flatten(result):
         layer, _ = produced.get(id(tensor), (None, None))

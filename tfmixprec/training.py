@@ -39,9 +39,9 @@ def _computes_in_float16(model: Any) -> bool:
 
 
 def _route_around_slow_cpu_kernels(model: Any) -> None:
-    """float16 without a GPU: the remapper off and convolutions in float32 (`cpu_float16`)."""
+    """float16 without a GPU: the remapper off, convolution/Dense products in float32."""
     cpu_float16.route_around_fused_matmul("mixed_float16")
-    cpu_float16.fast_float16_convolutions(model)
+    cpu_float16.fast_float16_layers(model)
 
 
 def ensure_loss_scale_optimizer(
