@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfmixprec._validate import check_float32_scale, check_int_at_least_one, is_number
 from tfmixprec.unscaling import UnscaleLedger, gradient_values
 
-__all__ = ["LOG_KEYS", "LossScale", "LossScaleConfig"]
+__all__ = ["LOG_KEYS", "LossScale", "LossScaleConfig", "divide", "multiply"]
 
 # The values `snapshot()` returns; `fit` logs and callbacks show these and only these.
 LOG_KEYS = ("loss_scale", "overflow", "overflow_steps", "skipped_fraction")
@@ -114,12 +114,39 @@ def _wide_dtype(dtype: tf.DType) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
-def _divide(grad: Any, divisor: tf.Tensor) -> Any:
-    """`grad / divisor` in float32 (float64 for float64), keeping dtype and sparsity."""
+def _widen(value: Any) -> tf.Tensor:
+    value = tf.convert_to_tensor(value)
+    return tf.cast(value, _wide_dtype(value.dtype))
+
+
+def multiply(value: Any, scale: Any) -> tf.Tensor:
+    """`value * scale` in float32 (float64 stays float64): the scaled loss, never in float16.
+
+    Args:
+        value: Tensor. The loss (any float dtype).
+        scale: Scalar tensor or number. The loss scale.
+
+    Returns:
+        A float32 (float64 for a float64 `value`) tensor.
+    """
+    value = _widen(value)
+    return value * tf.cast(scale, value.dtype)
+
+
+def divide(grad: Any, divisor: Any) -> Any:
+    """`grad / divisor` in float32 (float64 for float64), keeping dtype and sparsity.
+
+    Args:
+        grad: Tensor, `tf.IndexedSlices` or `None`. One gradient of the scaled loss.
+        divisor: Scalar tensor or number. The loss scale.
+
+    Returns:
+        The unscaled gradient in `grad`'s dtype (`None` stays `None`, sparse stays sparse).
+    """
     if grad is None:
         return None
     if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(_divide(grad.values, divisor), grad.indices, grad.dense_shape)
+        return tf.IndexedSlices(divide(grad.values, divisor), grad.indices, grad.dense_shape)
     grad = tf.convert_to_tensor(grad)
     wide = _wide_dtype(grad.dtype)
     quotient = tf.cast(grad, wide) / tf.cast(divisor, wide)
@@ -159,12 +186,10 @@ class LossScale(tf.Module):
     def scale(self, loss: Any) -> tf.Tensor:
         """`loss * scale`, computed in float32 (float64 stays float64). Starts a step: the
         gradients reaching `unscale_received` are scaled until `unscale_returned` runs."""
-        loss = tf.convert_to_tensor(loss)
-        loss = tf.cast(loss, _wide_dtype(loss.dtype))
         if self.config.is_identity:
-            return loss
+            return _widen(loss)
         self.ledger.clear()
-        return loss * tf.cast(read_now(self.scale_variable), loss.dtype)
+        return multiply(loss, read_now(self.scale_variable))
 
     def unscale(
         self, grads: Sequence[Any], divisor: Any = None, keep: Sequence[bool] | None = None
@@ -180,7 +205,7 @@ class LossScale(tf.Module):
             return grads
         divisor = read_now(self.scale_variable) if divisor is None else divisor
         keep = [False] * len(grads) if keep is None else list(keep)
-        return [g if k else _divide(g, divisor) for g, k in zip(grads, keep)]
+        return [g if k else divide(g, divisor) for g, k in zip(grads, keep)]
 
     def unscale_returned(
         self,
@@ -210,7 +235,7 @@ class LossScale(tf.Module):
             return grads
         scale = read_now(self.scale_variable)
         return self.ledger.unscale_for_apply(
-            grads, indices, scale, has_float8, lambda g, i, d: g if keep[i] else _divide(g, d)
+            grads, indices, scale, has_float8, lambda g, i, d: g if keep[i] else divide(g, d)
         )
 
     @staticmethod
