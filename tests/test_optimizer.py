@@ -1,6 +1,5 @@
 """Tests of `tfmixprec.LossScaleOptimizer`: the scale state machine and its contract."""
 
-import math
 import warnings
 
 import keras
@@ -8,7 +7,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tfmixprec
 from tfmixprec import LossScaleOptimizer
 
 OK, BAD = False, True  # one step's gradients: finite, or with an Inf
@@ -563,11 +561,6 @@ def test_mirrored_one_replica_overflow_skips_both(two_cpu_strategy):
     assert int(opt.iterations.numpy()) == 2
 
 
-def test_public_api_names_import():
-    for name in tfmixprec.__all__:
-        assert getattr(tfmixprec, name) is not None, name
-    assert isinstance(tfmixprec.__version__, str)
-    assert not math.isnan(float(tfmixprec.__version__.split(".")[0]))
 
 
 @pytest.mark.parametrize(

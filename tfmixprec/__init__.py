@@ -5,17 +5,19 @@ from tfmixprec import testing
 from tfmixprec._version import __version__
 from tfmixprec.audit import AuditReport
 from tfmixprec.audit import Finding
+from tfmixprec.audit import LayerDtypes
 from tfmixprec.audit import audit
 from tfmixprec.callbacks import GradientRangeMonitor
 from tfmixprec.callbacks import GradientRangeStats
 from tfmixprec.callbacks import LossScaleMonitor
 from tfmixprec.callbacks import OverflowGuard
 from tfmixprec.callbacks import gradient_range_stats
-from tfmixprec.hardware import DoctorReport
+from tfmixprec.doctor import DoctorReport
+from tfmixprec.doctor import doctor
 from tfmixprec.hardware import GPUInfo
 from tfmixprec.hardware import HardwareInfo
 from tfmixprec.hardware import detect_hardware
-from tfmixprec.hardware import doctor
+from tfmixprec.loss_scale import LossScaleConfig
 from tfmixprec.optimizer import LossScaleOptimizer
 from tfmixprec.policy import PolicyChange
 from tfmixprec.policy import PolicyChoice
@@ -39,6 +41,8 @@ __all__ = [
     "GradientRangeMonitor",
     "GradientRangeStats",
     "HardwareInfo",
+    "LayerDtypes",
+    "LossScaleConfig",
     "LossScaleMonitor",
     "LossScaleOptimizer",
     "MixedPrecisionFunctional",

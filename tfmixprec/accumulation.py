@@ -14,7 +14,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["GradientAccumulator"]
+# Internal module: the package exports nothing from it (other modules import what they use).
+__all__: list[str] = []
 
 
 def _sum_dtype(dtype: Any) -> str:

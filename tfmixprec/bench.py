@@ -23,15 +23,8 @@ from tfmixprec.hardware import detect_hardware
 from tfmixprec.policy import choose_policy, float32_outputs, policy_scope
 from tfmixprec.training import MixedPrecisionModel
 
-__all__ = [
-    "MODELS",
-    "BenchResult",
-    "StepTimer",
-    "build_model",
-    "time_fit",
-    "run_bench",
-    "format_table",
-]
+# Internal module (used by `tfmixprec bench` and benchmarks/): the package exports nothing from it.
+__all__: list[str] = []
 
 MODELS = ("mlp", "cnn", "transformer")
 
@@ -158,6 +151,33 @@ def time_fit(
     return timer
 
 
+def _variant(
+    model: str,
+    policy: str,
+    stack: str,
+    size: int,
+    hardware: Any,
+    steps_batch: tuple[int, int],
+    float16_steps_batch: tuple[int | None, int | None],
+) -> dict[str, Any]:
+    """One compiled model to time, with the steps and batch it runs at."""
+    resolved = choose_policy(hardware).name if policy == "auto" else policy
+    with policy_scope(resolved):
+        keras.utils.set_random_seed(0)
+        cls = MixedPrecisionModel if stack == "tfmixprec" else keras.Model
+        net = build_model(model, size, cls)
+        net.compile(optimizer=keras.optimizers.Adam(1e-4), loss="sparse_categorical_crossentropy")
+    n, b = steps_batch
+    # float16 on a CPU is slow only in a few kernels, which tfmixprec routes around
+    # (`cpu_float16`); plain Keras keeps them, so its float16 runs are cut short.
+    routed = stack == "tfmixprec" and cpu_float16.applies(resolved, hardware)
+    slow_float16 = not hardware.gpus and not hardware.tpus
+    if resolved == "mixed_float16" and slow_float16 and not routed:
+        n = float16_steps_batch[0] or n
+        b = float16_steps_batch[1] or b
+    return dict(policy=policy, resolved=resolved, stack=stack, net=net, steps=n, batch=b)
+
+
 def run_bench(
     model: str = "mlp",
     policies: Sequence[str] = ("float32", "mixed_bfloat16", "auto"),
@@ -192,8 +212,7 @@ def run_bench(
         List of `BenchResult`, in the order of `policies` x `stacks`.
     """
     hardware = detect_hardware()
-    slow_float16 = not hardware.gpus and not hardware.tpus
-    datasets = {}
+    datasets: dict[int, tf.data.Dataset] = {}
 
     def dataset_for(n: int) -> tf.data.Dataset:
         if n not in datasets:
@@ -201,48 +220,35 @@ def run_bench(
             datasets[n] = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(2)
         return datasets[n]
 
-    variants = []
-    for policy in policies:
-        resolved = choose_policy(hardware).name if policy == "auto" else policy
-        for stack in stacks:
-            with policy_scope(resolved):
-                keras.utils.set_random_seed(0)
-                cls = MixedPrecisionModel if stack == "tfmixprec" else keras.Model
-                net = build_model(model, size, cls)
-                net.compile(
-                    optimizer=keras.optimizers.Adam(1e-4), loss="sparse_categorical_crossentropy"
-                )
-            n, b = steps, batch
-            # float16 on a CPU is slow only in a few kernels, which tfmixprec routes around
-            # (`cpu_float16`); plain Keras keeps them, so its float16 runs are cut short.
-            routed = stack == "tfmixprec" and cpu_float16.applies(resolved, hardware)
-            if resolved == "mixed_float16" and slow_float16 and not routed:
-                n = float16_steps or steps
-                b = float16_batch or batch
-            time_fit(net, dataset_for(b), max(2, n // 4))  # trace and warm up
-            variants.append((policy, resolved, stack, net, n, b))
+    float16_steps_batch = (float16_steps, float16_batch)
+    variants = [
+        _variant(model, policy, stack, size, hardware, (steps, batch), float16_steps_batch)
+        for policy in policies
+        for stack in stacks
+    ]
+    for variant in variants:
+        time_fit(variant["net"], dataset_for(variant["batch"]), max(2, variant["steps"] // 4))
     runs: dict[int, list[float]] = {i: [] for i in range(len(variants))}
     for repeat in range(repeats):
         order = range(len(variants)) if repeat % 2 == 0 else reversed(range(len(variants)))
         for i in order:
-            _, _, _, net, n, b = variants[i]
-            runs[i].append(time_fit(net, dataset_for(b), n).per_step)
-    results = []
-    for i, (policy, resolved, stack, _, _, b) in enumerate(variants):
-        step_s = statistics.median(runs[i])
-        results.append(
-            BenchResult(
-                model=model,
-                policy=policy,
-                resolved_policy=resolved,
-                stack=stack,
-                batch=b,
-                step_ms=1000 * step_s,
-                samples_per_s=b / step_s,
-                runs_ms=[1000 * r for r in runs[i]],
-            )
-        )
-    return results
+            v = variants[i]
+            runs[i].append(time_fit(v["net"], dataset_for(v["batch"]), v["steps"]).per_step)
+    return [_result(model, v, runs[i]) for i, v in enumerate(variants)]
+
+
+def _result(model: str, variant: dict[str, Any], runs: list[float]) -> BenchResult:
+    step_s = statistics.median(runs)
+    return BenchResult(
+        model=model,
+        policy=variant["policy"],
+        resolved_policy=variant["resolved"],
+        stack=variant["stack"],
+        batch=variant["batch"],
+        step_ms=1000 * step_s,
+        samples_per_s=variant["batch"] / step_s,
+        runs_ms=[1000 * r for r in runs],
+    )
 
 
 def format_table(results: Sequence[BenchResult]) -> str:

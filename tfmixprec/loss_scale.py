@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfmixprec._validate import check_float32_scale, check_int_at_least_one, is_number
 from tfmixprec.unscaling import UnscaleLedger, gradient_values
 
-__all__ = ["LOG_KEYS", "LossScale", "LossScaleConfig", "divide", "multiply"]
+__all__ = ["LossScaleConfig"]  # what the package exports; the rest is internal
 
 # The values `snapshot()` returns; `fit` logs and callbacks show these and only these.
 LOG_KEYS = ("loss_scale", "overflow", "overflow_steps", "skipped_fraction")

@@ -24,7 +24,6 @@ __all__ = [
     "MixedPrecisionMixin",
     "MixedPrecisionModel",
     "MixedPrecisionFunctional",
-    "ensure_loss_scale_optimizer",
     "compute_unscaled_gradients",
     "make_train_step",
 ]
@@ -44,7 +43,7 @@ def _route_around_slow_cpu_kernels(model: Any) -> None:
     cpu_float16.fast_float16_layers(model)
 
 
-def ensure_loss_scale_optimizer(
+def _ensure_loss_scale_optimizer(
     optimizer: Any,
     float16: bool,
     loss_scaling: str = "auto",
@@ -74,15 +73,7 @@ def ensure_loss_scale_optimizer(
             f"Received: loss_scaling={loss_scaling!r}"
         )
     if isinstance(optimizer, LossScaleOptimizer):
-        if accumulation_steps != 1 and optimizer.accumulation_steps == 1 and not optimizer.built:
-            optimizer.accumulation_steps = accumulation_steps
-        elif accumulation_steps != 1 and optimizer.accumulation_steps != accumulation_steps:
-            raise ValueError(
-                f"The optimizer already has accumulation_steps={optimizer.accumulation_steps}; "
-                "set it on the optimizer or here, not both differently. Received: "
-                f"accumulation_steps={accumulation_steps!r}"
-            )
-        return optimizer
+        return _with_accumulation(optimizer, accumulation_steps)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         if optimizer.built:
             raise ValueError(
@@ -105,6 +96,19 @@ def ensure_loss_scale_optimizer(
         dynamic=False,
         accumulation_steps=accumulation_steps,
     )
+
+
+def _with_accumulation(optimizer: LossScaleOptimizer, steps: int) -> LossScaleOptimizer:
+    """A tfmixprec optimizer as it is; an unbuilt one without accumulation takes `steps`."""
+    if steps != 1 and optimizer.accumulation_steps == 1 and not optimizer.built:
+        optimizer.accumulation_steps = steps
+    elif steps != 1 and optimizer.accumulation_steps != steps:
+        raise ValueError(
+            f"The optimizer already has accumulation_steps={optimizer.accumulation_steps}; "
+            "set it on the optimizer or here, not both differently. Received: "
+            f"accumulation_steps={steps!r}"
+        )
+    return optimizer
 
 
 class _MinScaleWatch(keras.callbacks.Callback):
@@ -155,7 +159,7 @@ class MixedPrecisionMixin:
         """
         optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer
         float16 = _computes_in_float16(self)
-        optimizer = ensure_loss_scale_optimizer(
+        optimizer = _ensure_loss_scale_optimizer(
             optimizer, float16, loss_scaling, accumulation_steps
         )
         if float16:
@@ -312,7 +316,7 @@ def make_train_step(
         raise TypeError(f"loss_fn must be callable. Received: loss_fn={loss_fn!r}")
     optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer
     float16 = _computes_in_float16(model)
-    optimizer = ensure_loss_scale_optimizer(optimizer, float16)
+    optimizer = _ensure_loss_scale_optimizer(optimizer, float16)
     if float16:
         _route_around_slow_cpu_kernels(model)
 

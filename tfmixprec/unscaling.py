@@ -22,7 +22,8 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["UnscaleLedger", "fingerprint", "gradient_values"]
+# Internal module: the package exports nothing from it (other modules import what they use).
+__all__: list[str] = []
 
 SCALED_AGAIN = (
     "get_unscaled_gradients() was called since the last scale_loss(), but apply() / "
