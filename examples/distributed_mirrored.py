@@ -28,6 +28,32 @@ def make_strategy() -> tf.distribute.MirroredStrategy:
     return tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
 
 
+def build_model(strategy: tf.distribute.MirroredStrategy):
+    """A small regression model, created and compiled under `strategy`."""
+    import keras
+
+    import tfmixprec
+
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(32, activation="relu")(inputs)
+        outputs = keras.layers.Dense(1, dtype="float32")(hidden)
+        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", loss_scaling="dynamic")
+    return model
+
+
+def replicas_identical(model) -> bool:
+    """Whether every weight holds the same values on every replica."""
+    import numpy as np
+
+    return all(
+        all(np.array_equal(copies[0].numpy(), c.numpy()) for c in copies[1:])
+        for copies in (w.value.values for w in model.weights)
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="tfmixprec under MirroredStrategy")
     parser.add_argument("--epochs", type=int, default=3)
@@ -36,7 +62,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     strategy = make_strategy()  # before anything else touches the devices
 
-    import keras
     import numpy as np
 
     import tfmixprec
@@ -48,20 +73,11 @@ def main(argv: list[str] | None = None) -> dict:
     y = (x @ rng.normal(size=(16, 1))).astype("float32")
     x[63, 0] = np.inf  # last sample of the first global batch of 64: one replica's shard
 
-    with strategy.scope():
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((16,))
-        hidden = keras.layers.Dense(32, activation="relu")(inputs)
-        outputs = keras.layers.Dense(1, dtype="float32")(hidden)
-        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", loss_scaling="dynamic")
+    model = build_model(strategy)
     history = model.fit(x, y, batch_size=64, epochs=args.epochs, shuffle=False, verbose=2)
 
     state = model.optimizer.read_state()  # host read, works on mirrored variables too
-    identical = all(
-        all(np.array_equal(copies[0].numpy(), c.numpy()) for c in copies[1:])
-        for copies in (w.value.values for w in model.weights)
-    )
+    identical = replicas_identical(model)
     result = {
         "replicas": strategy.num_replicas_in_sync,
         "overflow_steps": state["overflow_steps"],

@@ -22,18 +22,17 @@ import tfmixprec  # noqa: E402
 from tfmixprec.cli import load_digits_split  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description="fit with tfmixprec callbacks")
-    parser.add_argument("--policy", default="auto")
-    parser.add_argument("--epochs", type=int, default=5)
-    args = parser.parse_args(argv)
-
+def load_data():
+    """The digits split, flattened, with one NaN in the training data."""
     (x, y), (x_test, y_test) = load_digits_split()
     x, x_test = x.reshape(len(x), -1), x_test.reshape(len(x_test), -1)
     x = x.copy()
     x[70, 3] = np.nan  # one corrupt sample: batch 2 of the first epoch overflows
+    return (x, y), (x_test, y_test)
 
-    policy = tfmixprec.set_policy(args.policy)
+
+def build_model() -> tfmixprec.MixedPrecisionModel:
+    """A 64-64-10 classifier under the current policy, outputs in float32, compiled."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((64,))
     hidden = keras.layers.Dense(64, activation="relu", name="hidden")(inputs)
@@ -45,10 +44,35 @@ def main(argv: list[str] | None = None) -> dict:
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
     )
-    monitor = tfmixprec.LossScaleMonitor(verbose=1, log_every=10)
+    return model
+
+
+def print_result(result: dict, state: dict, stats: tfmixprec.GradientRangeStats) -> None:
+    print(f"policy {result['policy']}: test accuracy {result['test_accuracy']:.3f}")
+    print(
+        f"overflow steps {result['overflow_steps']} (the NaN batch, once per epoch), "
+        f"loss scale {state['loss_scale']:g}, guard stopped: {result['guard_stopped']}"
+    )
+    print(
+        f"weight gradients: {stats.underflow_fraction:.2%} below 2^-24, "
+        f"{stats.subnormal_fraction:.2%} float16-subnormal, {stats.zero_fraction:.2%} zero; "
+        f"recommended loss scale {result['recommended_scale']:g}"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description="fit with tfmixprec callbacks")
+    parser.add_argument("--policy", default="auto")
+    parser.add_argument("--epochs", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    (x, y), (x_test, y_test) = load_data()
+    policy = tfmixprec.set_policy(args.policy)
+    model = build_model()
+    monitor = tfmixprec.LossScaleMonitor(verbose=1, update_freq=10)
     guard = tfmixprec.OverflowGuard(patience=50, max_consecutive=5)
     gradients = tfmixprec.GradientRangeMonitor(
-        (x_test[:64], y_test[:64]), every_n_steps=20, layers=["hidden"]
+        (x_test[:64], y_test[:64]), update_freq=20, layers=["hidden"]
     )
     history = model.fit(
         x,
@@ -71,16 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
         "underflow_fraction": stats.underflow_fraction,
         "recommended_scale": gradients.recommend_loss_scale(),
     }
-    print(f"policy {result['policy']}: test accuracy {accuracy:.3f}")
-    print(
-        f"overflow steps {result['overflow_steps']} (the NaN batch, once per epoch), "
-        f"loss scale {state['loss_scale']:g}, guard stopped: {result['guard_stopped']}"
-    )
-    print(
-        f"weight gradients: {stats.underflow_fraction:.2%} below 2^-24, "
-        f"{stats.subnormal_fraction:.2%} float16-subnormal, {stats.zero_fraction:.2%} zero; "
-        f"recommended loss scale {result['recommended_scale']:g}"
-    )
+    print_result(result, state, stats)
     return result
 
 

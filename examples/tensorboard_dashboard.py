@@ -22,6 +22,31 @@ import numpy as np  # noqa: E402
 import tfmixprec  # noqa: E402
 
 
+def make_data() -> tuple[np.ndarray, np.ndarray]:
+    """1024 samples of a noisy linear target of 4 of 16 features."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 16)).astype("float32")
+    y = (x[:, :4] @ rng.normal(size=(4, 1)) + 0.1 * rng.normal(size=(1024, 1))).astype("float32")
+    return x, y
+
+
+def build_model(growth_interval: int) -> tfmixprec.MixedPrecisionModel:
+    """A 16-32-32-1 regressor under the current policy, its loss scale starting at 2**20."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    hidden = keras.layers.Dense(32, activation="relu")(hidden)
+    outputs = keras.layers.Dense(1, dtype="float32")(hidden)
+    model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+    opt = tfmixprec.LossScaleOptimizer(
+        keras.optimizers.Adam(3e-3),
+        initial_scale=2.0**20,
+        growth_interval=growth_interval,
+    )
+    model.compile(optimizer=opt, loss="mse")
+    return model
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="TensorBoard dashboard of the loss scale.")
     parser.add_argument("--logdir", default="runs/dashboard")
@@ -30,31 +55,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--growth-interval", type=int, default=20)
     args = parser.parse_args(argv)
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(1024, 16)).astype("float32")
-    y = (x[:, :4] @ rng.normal(size=(4, 1)) + 0.1 * rng.normal(size=(1024, 1))).astype("float32")
-
+    x, y = make_data()
     with tfmixprec.policy_scope(args.policy):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((16,))
-        hidden = keras.layers.Dense(32, activation="relu")(inputs)
-        hidden = keras.layers.Dense(32, activation="relu")(hidden)
-        outputs = keras.layers.Dense(1, dtype="float32")(hidden)
-        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
-        opt = tfmixprec.LossScaleOptimizer(
-            keras.optimizers.Adam(3e-3),
-            initial_scale=2.0**20,
-            growth_interval=args.growth_interval,
-        )
-        model.compile(optimizer=opt, loss="mse")
-        gradients = tfmixprec.GradientRangeMonitor((x[:64], y[:64]), every_n_steps=16)
+        model = build_model(args.growth_interval)
+        gradients = tfmixprec.GradientRangeMonitor((x[:64], y[:64]), update_freq=16)
         board = tfmixprec.TensorBoard(args.logdir, update_freq=1, gradient_monitor=gradients)
-        monitor = tfmixprec.LossScaleMonitor(verbose=1, log_every=32)
+        monitor = tfmixprec.LossScaleMonitor(verbose=1, update_freq=32)
         history = model.fit(
             x, y, batch_size=32, epochs=args.epochs, verbose=0, callbacks=[board, monitor]
         )
 
-    state = opt.read_state()
+    state = model.optimizer.read_state()
     result = {
         "final_loss": history.history["loss"][-1],
         "loss_scale": state["loss_scale"],

@@ -1,5 +1,6 @@
 """Tests of `tfmixprec.audit`: each problem on a model built to have it, none on a clean one."""
 
+import importlib
 import json
 
 import keras
@@ -184,3 +185,23 @@ def test_audit_bad_input():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
     with pytest.raises(ValueError, match=r"Did you mean 'mixed_float16'"):
         tfmixprec.audit(model, policy="mixed_float61")
+
+
+def test_a_layer_check_added_to_the_table_runs_on_every_leaf_layer(monkeypatch):
+    # `tfmixprec.audit` is the function; the module holds the table.
+    audit_module = importlib.import_module("tfmixprec.audit")
+
+    def has_bias(layer, context):
+        if not getattr(layer, "use_bias", False):
+            return []
+        message = f"has a bias in {context.compute_dtype(layer)}"
+        return [tfmixprec.Finding("info", "has-bias", layer.name, message, "None needed.")]
+
+    monkeypatch.setattr(audit_module, "CHECKS", audit_module.CHECKS + (("layer", has_bias),))
+    inner = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="inner")])
+    model = keras.Sequential([keras.Input((8,)), inner, keras.layers.Dense(8, name="outer")])
+    report = tfmixprec.audit(model, hardware=A100)
+    assert [(f.code, f.layer, f.message) for f in report.findings] == [
+        ("has-bias", "inner", "has a bias in float32"),
+        ("has-bias", "outer", "has a bias in float32"),
+    ]

@@ -1,4 +1,4 @@
-"""Tests of LossScaleMonitor, OverflowGuard and GradientRangeMonitor on scripted overflows."""
+"""Tests of LossScaleMonitor and OverflowGuard on scripted overflows."""
 
 import keras
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tfmixprec
-from tfmixprec import GradientRangeMonitor, LossScaleMonitor, LossScaleOptimizer, OverflowGuard
+from tfmixprec import LossScaleMonitor, LossScaleOptimizer, OverflowGuard
 
 BATCH = 4
 
@@ -71,7 +71,7 @@ def test_loss_scale_monitor_logs(kind):
 def test_loss_scale_monitor_verbose_reports(capsys):
     model = _model()
     x, y = _data(bad_batches=(1, 2, 6))
-    monitor = LossScaleMonitor(verbose=1, log_every=4)
+    monitor = LossScaleMonitor(verbose=1, update_freq=4)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines == [
@@ -159,15 +159,33 @@ def test_guard_raise_and_restore():
     assert "The last weights with a finite loss were restored." in guard.stop_message
 
 
+@pytest.mark.parametrize("update_freq, stopped_step", [(1, 2), (4, None)])
+def test_guard_checks_every_update_freq_batches(update_freq, stopped_step):
+    model = _model()
+    guard = OverflowGuard(max_consecutive=1, update_freq=update_freq, verbose=0)
+    x, y = _data(bad_batches=(1,))  # step 2 overflows; the checks at steps 4 and 8 see 0
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[guard])
+    assert guard.stopped_step == stopped_step
+    assert int(model.optimizer.overflow_steps) == 1
+
+
 @pytest.mark.parametrize(
     "cls, kwargs, match",
     [
         (LossScaleMonitor, dict(verbose=2), r"verbose must be 0 or 1.*verbose=2"),
-        (LossScaleMonitor, dict(log_every=0), r"log_every must be an integer >= 1.*=0"),
+        (
+            LossScaleMonitor,
+            dict(update_freq=0),
+            r"^update_freq must be an integer >= 1. Received: update_freq=0$",
+        ),
         (OverflowGuard, dict(patience=0), r"patience must be an integer >= 1.*patience=0"),
         (OverflowGuard, dict(max_consecutive=-1), r"max_consecutive=-1"),
         (OverflowGuard, dict(restore_weights="yes"), r"restore_weights must be True or False"),
-        (OverflowGuard, dict(check_every=1.5), r"check_every=1.5"),
+        (
+            OverflowGuard,
+            dict(update_freq=1.5),
+            r"^update_freq must be an integer >= 1. Received: update_freq=1.5$",
+        ),
     ],
 )
 def test_callback_bad_arguments(cls, kwargs, match):
@@ -177,111 +195,25 @@ def test_callback_bad_arguments(cls, kwargs, match):
 
 @pytest.mark.parametrize(
     "callback",
-    [LossScaleMonitor(verbose=1, log_every=7), OverflowGuard(patience=5, max_consecutive=9)],
+    [
+        LossScaleMonitor(verbose=1, update_freq=7),
+        OverflowGuard(patience=5, max_consecutive=9, update_freq=3),
+    ],
 )
 def test_callback_config_round_trip(callback):
     config = callback.get_config()
+    assert config["update_freq"] == callback.update_freq != 1
     restored = type(callback).from_config(config)
     assert restored.get_config() == config
     again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(callback))
     assert type(again) is type(callback) and again.get_config() == config
 
 
-# --------------------------------------------------------------------- gradient range
-def test_gradient_range_stats_exact_counts():
-    values = np.array([0.0, 0.0, 1e-9, 2.0**-20, 2.0**-14, 1.0, 70000.0, -1e-8], dtype=np.float32)
-    stats = tfmixprec.gradient_range_stats([values[:4], None, tf.constant(values[4:])])
-    assert stats.count == 8
-    assert stats.zero_fraction == 2 / 8
-    assert stats.underflow_fraction == 2 / 8
-    assert stats.subnormal_fraction == 1 / 8
-    assert stats.overflow_fraction == 1 / 8
-    assert stats.histogram == {-30: 1, -27: 1, -20: 1, -14: 1, 0: 1, 16: 1}
-    assert stats.max_abs == 70000.0
-    assert stats.min_abs_nonzero == np.float32(1e-9)
-
-
-def test_gradient_range_stats_sparse_and_inf():
-    sparse = tf.IndexedSlices(tf.constant([[np.inf, 1e-30]]), tf.constant([0]), tf.constant([5, 2]))
-    stats = tfmixprec.gradient_range_stats([sparse])
-    assert stats.count == 2
-    assert stats.overflow_fraction == 0.5 and stats.underflow_fraction == 0.5
-    empty = tfmixprec.gradient_range_stats([None])
-    assert empty.count == 0 and empty.recommend_loss_scale() == 1.0
-
-
-def test_recommend_loss_scale():
-    stats = tfmixprec.gradient_range_stats([np.full(10, 2.0**-30, np.float32)])
-    assert (
-        stats.recommend_loss_scale() == 2.0**16
-    )  # 2^-30 * 2^16 = 2^-14, float16's smallest normal
-    capped = tfmixprec.gradient_range_stats([np.array([2.0**-30, 2.0**10], np.float32)])
-    assert capped.recommend_loss_scale(percentile=0) == 32.0  # 1024 * 64 would pass 65504
-    assert tfmixprec.gradient_range_stats([np.ones(3)]).recommend_loss_scale() == 1.0
-    with pytest.raises(ValueError, match=r"percentile must be in \[0, 100\].*=101"):
-        stats.recommend_loss_scale(101)
-
-
-def _linear_model():
-    """y = x @ w with w = 0 and target 1: the weight gradient is exactly -2 * x."""
-    inputs = keras.Input((4,))
-    hidden = keras.layers.Identity(name="hidden")(inputs)
-    outputs = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros", name="out")(hidden)
-    model = keras.Model(inputs, outputs)
-    model.compile(
-        optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=1.0), loss="mse"
-    )
-    return model
-
-
-def test_gradient_monitor_on_known_gradients():
-    model = _linear_model()
-    x = np.array([[1e-10, 2.0**-21, 1.0, 0.0]], np.float32)  # grads: -2x
-    y = np.ones((1, 1), np.float32)
-    monitor = GradientRangeMonitor((x, y), every_n_steps=2, layers=["hidden"])
-    recorder = Recorder()
-    model.fit(
-        np.repeat(x, 4, 0),
-        np.repeat(y, 4, 0),
-        batch_size=1,
-        verbose=0,
-        callbacks=[monitor, recorder],
-    )
-    stats = monitor.weight_stats
-    assert (stats.count, stats.zero_fraction) == (4, 0.25)
-    assert (stats.underflow_fraction, stats.subnormal_fraction) == (0.25, 0.25)
-    assert stats.histogram == {-33: 1, -20: 1, 1: 1}
-    assert monitor.last_step == 4
-    logged = [logs for logs in recorder.batch_logs if "grad_underflow_fraction" in logs]
-    assert len(logged) == 2  # every 2 of 4 batches
-    assert logged[0]["grad_underflow_fraction"][0] == 0.25
-    # Activation gradient of `hidden` (dL/dh = -2 * w = 0): all exact zeros.
-    assert monitor.activation_stats["hidden"].zero_fraction == 1.0
-    # Lifting 2e-10 (the smallest, percentile 0) above 2^-14: 2^19; capped by |g|=2 -> 2^14.
-    assert monitor.recommend_loss_scale(percentile=0) == 2.0**14
-    with pytest.raises(ValueError, match=r"which must be None or one of \['hidden'\]"):
-        monitor.recommend_loss_scale(which="nope")
-
-
-def test_gradient_monitor_bad_input():
-    with pytest.raises(ValueError, match=r"data must be one batch.*type ndarray"):
-        GradientRangeMonitor(np.ones((2, 2)))
-    with pytest.raises(ValueError, match=r"every_n_steps must be an integer >= 1.*=0"):
-        GradientRangeMonitor((1, 2), every_n_steps=0)
-    model = _linear_model()
-    monitor = GradientRangeMonitor((np.ones((1, 4)), np.ones((1, 1))), layers=["missing"])
-    monitor.set_model(model)
-    with pytest.raises(ValueError, match=r"No layer named 'missing'"):
-        monitor.measure()
-    with pytest.raises(TypeError, match=r"cannot be rebuilt from its config alone"):
-        GradientRangeMonitor.from_config(monitor.get_config())
-
-
 def test_callbacks_under_mirrored_strategy(two_cpu_strategy, tmp_path, capsys):
     with two_cpu_strategy.scope():
         model = _model("tfmixprec")
     x, y = _data(bad_batches=(1,))
-    monitor = LossScaleMonitor(verbose=1, log_every=2)
+    monitor = LossScaleMonitor(verbose=1, update_freq=2)
     guard = OverflowGuard(max_consecutive=3, verbose=0)
     board = tfmixprec.TensorBoard(str(tmp_path), update_freq=2)
     history = model.fit(

@@ -561,8 +561,6 @@ def test_mirrored_one_replica_overflow_skips_both(two_cpu_strategy):
     assert int(opt.iterations.numpy()) == 2
 
 
-
-
 @pytest.mark.parametrize(
     "values, finite",
     [

@@ -8,6 +8,7 @@ from pathlib import Path
 import tfmixprec
 
 PACKAGE = Path(tfmixprec.__file__).resolve().parent
+MAX_FUNCTION_LINES, MAX_CLASS_LINES = 40, 200  # docstrings not counted
 
 
 def test_public_api_names_import():
@@ -22,6 +23,19 @@ def test_public_api_names_import():
 
 def _modules():
     return {path.stem: ast.parse(path.read_text()) for path in sorted(PACKAGE.glob("*.py"))}
+
+
+def test_every_module_exports_only_what_the_package_exports():
+    exported = set(tfmixprec.__all__)
+    for name, tree in _modules().items():
+        if name.startswith("_") or name in ("cpu_float16", "testing"):  # exported as modules
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(getattr(t, "id", None) == "__all__" for t in targets):
+                    listed = set(ast.literal_eval(node.value))
+                    assert listed <= exported, (name, sorted(listed - exported))
 
 
 def _imports(tree):
@@ -52,3 +66,51 @@ def test_no_import_circle():
 
     for name in graph:
         reach(name, name, set())
+
+
+def _body_lines(node):
+    body = node.body
+    first = body[0] if body else None
+    value = getattr(first, "value", None)
+    docstring = isinstance(first, ast.Expr) and isinstance(value, ast.Constant)
+    doc = (first.end_lineno - first.lineno + 1) if docstring else 0
+    return node.end_lineno - node.lineno + 1 - doc
+
+
+def test_functions_and_classes_stay_small():
+    too_big = []
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if _body_lines(node) > MAX_FUNCTION_LINES:
+                    too_big.append(f"{name}.{node.name}: {_body_lines(node)} lines")
+            elif isinstance(node, ast.ClassDef) and _body_lines(node) > MAX_CLASS_LINES:
+                too_big.append(f"{name}.{node.name}: {_body_lines(node)} lines")
+    assert too_big == []
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
+OUTSIDE_LAYERS = {"__init__", "__main__", "_version"}
+
+
+def _architecture_table():
+    """`{module: (layer, [imports])}` from the module table in docs/ARCHITECTURE.md."""
+    rows = {}
+    row = re.compile(r"^\| `(\w+)\.py` \| (\d+) \| .* \| (.*) \|$")
+    for line in ARCHITECTURE.read_text().splitlines():
+        match = row.match(line)
+        if match:
+            imports = re.findall(r"`(\w+)`", match.group(3))
+            rows[match.group(1)] = (int(match.group(2)), sorted(imports))
+    return rows
+
+
+def test_architecture_doc_matches_the_imports():
+    table = _architecture_table()
+    modules = _modules()
+    assert sorted(table) == sorted(set(modules) - OUTSIDE_LAYERS)
+    for name, (layer, listed) in table.items():
+        actual = sorted(_imports(modules[name]) & set(modules) - {name, "__init__"})
+        assert listed == actual, (name, listed, actual)
+        for imported in actual:
+            assert table[imported][0] < layer, f"{name} (layer {layer}) imports {imported}"

@@ -358,10 +358,10 @@ CATALOG = [
     ),
     # callback arguments
     (
-        "monitor log_every",
-        lambda s: tfmixprec.LossScaleMonitor(log_every=0),
+        "monitor update_freq",
+        lambda s: tfmixprec.LossScaleMonitor(update_freq=0),
         ValueError,
-        r"log_every=0",
+        r"update_freq=0",
     ),
     ("guard patience", lambda s: tfmixprec.OverflowGuard(patience=-1), ValueError, r"patience=-1"),
     (

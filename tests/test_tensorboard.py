@@ -1,5 +1,6 @@
 """Tests of the TensorBoard callback: event files read back, and a live TensorBoard server."""
 
+import inspect
 import json
 import os
 import socket
@@ -23,7 +24,15 @@ from tfmixprec import LossScaleOptimizer
 BATCH = 4
 
 
-def _fit(log_dir, bad_batches=(2, 5), batches=8, epochs=1, monitor=False, **tb_kwargs):
+def _fit(
+    log_dir,
+    bad_batches=(2, 5),
+    batches=8,
+    epochs=1,
+    monitor=False,
+    monitor_in_fit=False,
+    **tb_kwargs,
+):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
     model.compile(optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
@@ -35,10 +44,20 @@ def _fit(log_dir, bad_batches=(2, 5), batches=8, epochs=1, monitor=False, **tb_k
     gradient_monitor = None
     if monitor:
         gradient_monitor = tfmixprec.GradientRangeMonitor(
-            (x[BATCH : 2 * BATCH], y[:BATCH]), every_n_steps=4
+            (x[BATCH : 2 * BATCH], y[:BATCH]), update_freq=4
         )
+        gradient_monitor.measured_at = []
+        measure = gradient_monitor.measure
+
+        def counted():  # records the step of each measurement
+            stats = measure()
+            gradient_monitor.measured_at.append(gradient_monitor.last_step)
+            return stats
+
+        gradient_monitor.measure = counted
     callback = tfmixprec.TensorBoard(str(log_dir), gradient_monitor=gradient_monitor, **tb_kwargs)
-    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[callback])
+    callbacks = [callback] + ([gradient_monitor] if monitor_in_fit else [])
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
     return model, callback
 
 
@@ -98,8 +117,13 @@ def test_custom_scalars_layout_written(tmp_path):
     assert titles[:3] == ["Loss (per batch)", "Loss scale", "Overflow events (skipped steps)"]
 
 
-def test_gradient_monitor_summaries(tmp_path):
-    _, callback = _fit(tmp_path, monitor=True, update_freq=2)
+@pytest.mark.parametrize("monitor_in_fit", [False, True])
+def test_gradient_monitor_summaries(tmp_path, monitor_in_fit):
+    _, callback = _fit(tmp_path, monitor=True, monitor_in_fit=monitor_in_fit, update_freq=2)
+    monitor = callback.gradient_monitor
+    assert monitor.driver is callback
+    # Driven by the callback: once per update_freq batches, also when fit steps it too.
+    assert monitor.measured_at == [4, 8] and monitor.last_step == 8
     acc = _events(tmp_path)
     series = _series(acc, "mixed_precision/grad_underflow_fraction")
     assert [step for step, _ in series] == [4, 8]
@@ -116,11 +140,65 @@ def test_bad_arguments():
         tfmixprec.TensorBoard("logs", gradient_monitor="yes")
     with pytest.raises(ValueError, match=r"update_freq must be .*update_freq=0"):
         tfmixprec.TensorBoard("logs", update_freq=0)
+    with pytest.raises(ValueError, match=r"already driven by a TensorBoard callback"):
+        monitor = tfmixprec.GradientRangeMonitor((np.ones((1, 3)), np.ones((1, 2))))
+        tfmixprec.TensorBoard("logs", gradient_monitor=monitor)
+        tfmixprec.TensorBoard("logs", gradient_monitor=monitor)  # one driver per monitor
     callback = tfmixprec.TensorBoard("some/dir", update_freq=3)
-    assert tfmixprec.TensorBoard.from_config(callback.get_config()).get_config() == {
-        "log_dir": "some/dir",
+    config = tfmixprec.TensorBoard.from_config(callback.get_config()).get_config()
+    assert (config["log_dir"], config["update_freq"]) == ("some/dir", 3)
+
+
+KERAS_ARGUMENTS = [
+    name
+    for name in inspect.signature(keras.callbacks.TensorBoard.__init__).parameters
+    if name != "self"
+]
+
+
+def test_config_round_trip_holds_every_keras_argument(tmp_path):
+    values = {
+        "log_dir": str(tmp_path / "run"),
+        "histogram_freq": 2,
+        "write_graph": False,
+        "write_images": True,
+        "write_steps_per_second": True,
         "update_freq": 3,
+        "profile_batch": (2, 4),
+        "embeddings_freq": 5,
+        "embeddings_metadata": {"embedding": "metadata.tsv"},
     }
+    defaults = inspect.signature(keras.callbacks.TensorBoard.__init__).parameters
+    assert sorted(values) == sorted(KERAS_ARGUMENTS)
+    assert all(values[name] != defaults[name].default for name in values)  # none at default
+    monitor = tfmixprec.GradientRangeMonitor((np.ones((1, 3)), np.ones((1, 2))))
+    callback = tfmixprec.TensorBoard(gradient_monitor=monitor, **values)
+    config = callback.get_config()
+    # As the instance holds it: a profile_batch pair as a list (what JSON gives back);
+    # gradient_monitor left out (it holds a data batch).
+    assert config == {**values, "profile_batch": [2, 4]}
+    restored = tfmixprec.TensorBoard.from_config(config)
+    assert restored.get_config() == config
+    assert restored.gradient_monitor is None
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(callback))
+    assert type(again) is tfmixprec.TensorBoard and again.get_config() == config
+
+
+@pytest.mark.parametrize(
+    "kwargs, held",
+    [
+        ({}, {"update_freq": "epoch", "profile_batch": 0}),
+        (
+            {"update_freq": "batch", "profile_batch": "3,5"},
+            {"update_freq": 1, "profile_batch": [3, 5]},
+        ),
+        ({"profile_batch": 7}, {"profile_batch": 7}),
+    ],
+)
+def test_config_holds_parsed_values(kwargs, held):
+    config = tfmixprec.TensorBoard("logs", **kwargs).get_config()
+    assert {name: config[name] for name in held} == held
+    assert tfmixprec.TensorBoard.from_config(config).get_config() == config
 
 
 # -------------------------------------------------------------------- live server
@@ -138,46 +216,38 @@ def _get_json(port, path, params=None):
         return json.loads(response.read())
 
 
+def _start_tensorboard(log_dir, servers):
+    """Starts `tensorboard` on a free port of 127.0.0.1 (appended to `servers`); returns the
+    port once it serves a run with the mixed_precision tags."""
+    port = _free_port()
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(log_dir)]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1"]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    servers.append(proc)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"tensorboard exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            tags = _get_json(port, "/data/plugin/scalars/tags")
+            if any("mixed_precision/loss_scale" in run_tags for run_tags in tags.values()):
+                return port
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail("tensorboard did not serve the run within 90 s")
+
+
 @pytest.fixture
 def tensorboard_server(tmp_path):
     """A real `tensorboard` process on 127.0.0.1, serving `tmp_path`; stopped afterwards."""
     servers = []
-
-    def start(log_dir):
-        port = _free_port()
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tensorboard.main",
-                "--logdir",
-                str(log_dir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--reload_interval",
-                "1",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-        )
-        servers.append(proc)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"tensorboard exited: {proc.stderr.read().decode()[-2000:]}")
-            try:
-                tags = _get_json(port, "/data/plugin/scalars/tags")
-                if any("mixed_precision/loss_scale" in run_tags for run_tags in tags.values()):
-                    return port
-            except OSError:
-                pass
-            time.sleep(0.5)
-        pytest.fail("tensorboard did not serve the run within 90 s")
-
-    yield start
+    yield lambda log_dir: _start_tensorboard(log_dir, servers)
     for proc in servers:
         proc.terminate()
         try:

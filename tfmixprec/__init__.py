@@ -7,13 +7,13 @@ from tfmixprec.audit import AuditReport
 from tfmixprec.audit import Finding
 from tfmixprec.audit import LayerDtypes
 from tfmixprec.audit import audit
-from tfmixprec.callbacks import GradientRangeMonitor
-from tfmixprec.callbacks import GradientRangeStats
 from tfmixprec.callbacks import LossScaleMonitor
 from tfmixprec.callbacks import OverflowGuard
-from tfmixprec.callbacks import gradient_range_stats
 from tfmixprec.doctor import DoctorReport
 from tfmixprec.doctor import doctor
+from tfmixprec.gradient_range import GradientRangeMonitor
+from tfmixprec.gradient_range import GradientRangeStats
+from tfmixprec.gradient_range import gradient_range_stats
 from tfmixprec.hardware import GPUInfo
 from tfmixprec.hardware import HardwareInfo
 from tfmixprec.hardware import detect_hardware

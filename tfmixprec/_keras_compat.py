@@ -25,8 +25,10 @@ __all__ = [
     "Functional",
     "KerasLossScaleHooks",
     "all_sublayers",
+    "build_shapes",
     "functional_init_arguments",
     "no_automatic_dependency_tracking",
+    "producing_layer",
     "tensorboard_batch_work",
     "tensorboard_step",
     "tensorboard_writer",
@@ -40,6 +42,25 @@ def all_sublayers(model: Any) -> list[Any]:
     models and in attributes; there is no public equivalent.
     """
     return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def producing_layer(tensor: Any) -> Any:
+    """The layer (Keras operation) that produced a symbolic tensor of a functional model, or None.
+
+    Why: Keras records it only in the tensor's private `_keras_history`; the public
+    `model.outputs` carry no link back to their layers.
+    """
+    history = getattr(tensor, "_keras_history", None)
+    return None if history is None else history.operation
+
+
+def build_shapes(model: Any) -> dict[str, Any] | None:
+    """The input shapes a subclassed model was built with (`{argument name: shape}`), or None.
+
+    Why: Keras keeps them only in the private `_build_shapes_dict`; `model.inputs` is empty for
+    subclassed models.
+    """
+    return getattr(model, "_build_shapes_dict", None)
 
 
 # Why: `tfmixprec.TensorBoard` extends `keras.callbacks.TensorBoard` and writes its summaries

@@ -5,21 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import keras
 
 from tfmixprec import cpu_float16
+from tfmixprec._layers import check_built_model, is_container, iter_layers, output_layers
 from tfmixprec.hardware import HardwareInfo, detect_hardware
-from tfmixprec.policy import (
-    LOW_PRECISION,
-    check_built_model,
-    check_policy_name,
-    choose_policy,
-    float32_reason,
-    iter_layers,
-    output_layers,
-)
+from tfmixprec.policy import LOW_PRECISION, _check_policy_name, choose_policy, float32_reason
 
 __all__ = ["Finding", "LayerDtypes", "AuditReport", "audit"]
 
@@ -169,40 +163,223 @@ def _sizes_to_align(layer: Any) -> list[tuple[str, int]]:
     return sizes
 
 
-def _this_machine_findings(model: keras.Model, hardware: HardwareInfo) -> list[Finding]:
-    """What is slow for this model on this machine (a CPU without a GPU), and the fix."""
-    if hardware.gpus or hardware.tpus:
+@dataclasses.dataclass(frozen=True)
+class _AuditContext:
+    """What a check reads besides its layer or model.
+
+    Args:
+        model_policy: String. The name of the model's own policy.
+        policy: String or None. The policy audited instead of the model's own (`audit`'s
+            `policy=`), or None.
+        layers: Tuple of layers. The model's layers, nested ones included, no `InputLayer`.
+        output_ids: Frozenset of ints. The `id()`s of the layers that produce model outputs.
+        hardware: `HardwareInfo` or None. The machine for machine findings; None when auditing
+            under another policy (no machine findings then).
+    """
+
+    model_policy: str
+    policy: str | None
+    layers: tuple[Any, ...]
+    output_ids: frozenset[int]
+    hardware: HardwareInfo | None
+
+    @property
+    def leaves(self) -> list[Any]:
+        """The layers that compute (nested models left out): the ones layer checks see."""
+        return [layer for layer in self.layers if not is_container(layer)]
+
+    @property
+    def cpu_only(self) -> bool:
+        """True when auditing on this machine and it has no GPU or TPU."""
+        return self.hardware is not None and not (self.hardware.gpus or self.hardware.tpus)
+
+    def policy_of(self, layer: Any) -> keras.DTypePolicy:
+        """The policy audited for `layer`: `policy` where it follows the model's own."""
+        if self.policy is not None and layer.dtype_policy.name == self.model_policy:
+            return keras.DTypePolicy(self.policy)
+        return layer.dtype_policy
+
+    def compute_dtype(self, layer: Any) -> str:
+        """The compute dtype audited for `layer`."""
+        return self.policy_of(layer).compute_dtype
+
+
+_FLOAT32_FIX = "Call tfmixprec.float32_outputs(model), or give this layer dtype='float32'."
+_LOSS_SCALE_FIX = "Compile with tfmixprec.LossScaleOptimizer(your_optimizer)."
+
+
+# Layer checks: `check(layer, context) -> list[Finding]`, run on every leaf layer.
+
+
+def _low_precision_softmax(layer: Any, context: _AuditContext) -> list[Finding]:
+    compute = context.compute_dtype(layer)
+    reason = float32_reason(layer)
+    if compute not in LOW_PRECISION or reason is None:
         return []
-    findings = []
+    message = f"{reason} computed in {compute}: it saturates and loses small probabilities."
+    return [Finding("error", "low-precision-softmax", layer.name, message, _FLOAT32_FIX)]
+
+
+def _low_precision_output(layer: Any, context: _AuditContext) -> list[Finding]:
+    compute = context.compute_dtype(layer)
+    if compute not in LOW_PRECISION or id(layer) not in context.output_ids:
+        return []
+    if float32_reason(layer) is not None:
+        return []  # reported once, as low-precision-softmax
+    message = f"produces a model output in {compute}; the loss should see float32."
+    return [Finding("error", "low-precision-output", layer.name, message, _FLOAT32_FIX)]
+
+
+def _tensor_core_alignment(layer: Any, context: _AuditContext) -> list[Finding]:
+    compute = context.compute_dtype(layer)
+    if compute not in LOW_PRECISION:
+        return []
+    return [
+        Finding(
+            "warning",
+            "tensor-core-alignment",
+            layer.name,
+            f"{what} is {size}, not a multiple of {ALIGNMENT}: Tensor Cores "
+            f"run {compute} matmuls fastest on multiples of {ALIGNMENT}.",
+            f"Pad {what} to {_padded(size)}.",
+        )
+        for what, size in _sizes_to_align(layer)
+        if size % ALIGNMENT
+    ]
+
+
+def _low_precision_variable(layer: Any, context: _AuditContext) -> list[Finding]:
+    return [
+        Finding(
+            "error",
+            "low-precision-variable",
+            layer.name,
+            f"variable {variable.path or variable.name!r} is stored in "
+            f"{variable.dtype}; master weights must stay float32.",
+            "Build the layer under a mixed_* policy (float32 variables, "
+            "low-precision compute) instead of dtype='float16'/'bfloat16'.",
+        )
+        for variable in layer.weights
+        if variable.dtype in LOW_PRECISION
+    ]
+
+
+# Model checks: `check(model, context) -> list[Finding]`, run once.
+
+
+def _loss_scaling(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    """`not-compiled` (info) or `no-loss-scaling` (error) for a model computing in float16."""
+    if not any(context.compute_dtype(layer) == "float16" for layer in context.leaves):
+        return []
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        message = (
+            "the model computes in float16 and is not compiled yet; float16 needs loss scaling."
+        )
+        return [Finding("info", "not-compiled", None, message, _LOSS_SCALE_FIX)]
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return []
+    message = (
+        f"the model computes in float16 but its optimizer {type(optimizer).__name__} does not "
+        "scale the loss: small gradients flush to zero."
+    )
+    return [Finding("error", "no-loss-scaling", None, message, _LOSS_SCALE_FIX)]
+
+
+def _cpu_float16_kernels(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    """Float16 layers that run TensorFlow's slow float16 CPU kernels on this machine."""
+    if not context.cpu_only:
+        return []
     slow = [name for name, done in cpu_float16.float16_product_layers(model).items() if not done]
-    if slow:
-        shown = ", ".join(repr(name) for name in slow[:3]) + (", ..." if len(slow) > 3 else "")
-        findings.append(
-            Finding(
-                "info",
-                "cpu-float16-kernels",
-                None,
-                f"on this machine (no GPU), {len(slow)} float16 layer(s) ({shown}) run "
-                "TensorFlow's slow float16 CPU kernels: the convolution filter gradient "
-                "(up to ~600x float32) and, without AVX512_FP16, float16 matmuls (1.1-3x).",
-                "Train through tfmixprec (MixedPrecisionModel.compile or make_train_step do it), "
-                "or call tfmixprec.cpu_float16.fast_float16_layers(model): their products then "
-                "run in float32, within float16 rounding.",
-            )
-        )
-    compute = model.dtype_policy.compute_dtype
-    if compute == "bfloat16" and getattr(model, "compiled", False) and model.jit_compile:
-        findings.append(
-            Finding(
-                "warning",
-                "xla-bfloat16-cpu",
-                None,
-                "compiled with jit_compile=True under bfloat16 on a CPU: XLA's CPU backend "
-                "does not use AMX/AVX512_BF16, so bfloat16 steps can be slower than float32.",
-                "Compile with jit_compile=False (Keras's default on CPUs).",
-            )
-        )
-    return findings
+    if not slow:
+        return []
+    shown = ", ".join(repr(name) for name in slow[:3]) + (", ..." if len(slow) > 3 else "")
+    message = (
+        f"on this machine (no GPU), {len(slow)} float16 layer(s) ({shown}) run "
+        "TensorFlow's slow float16 CPU kernels: the convolution filter gradient "
+        "(up to ~600x float32) and, without AVX512_FP16, float16 matmuls (1.1-3x)."
+    )
+    fix = (
+        "Train through tfmixprec (MixedPrecisionModel.compile or make_train_step do it), "
+        "or call tfmixprec.cpu_float16.fast_float16_layers(model): their products then "
+        "run in float32, within float16 rounding."
+    )
+    return [Finding("info", "cpu-float16-kernels", None, message, fix)]
+
+
+def _xla_bfloat16_cpu(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    """A bfloat16 model compiled with XLA on a machine without a GPU."""
+    if not context.cpu_only or model.dtype_policy.compute_dtype != "bfloat16":
+        return []
+    if not (getattr(model, "compiled", False) and model.jit_compile):
+        return []
+    message = (
+        "compiled with jit_compile=True under bfloat16 on a CPU: XLA's CPU backend "
+        "does not use AMX/AVX512_BF16, so bfloat16 steps can be slower than float32."
+    )
+    fix = "Compile with jit_compile=False (Keras's default on CPUs)."
+    return [Finding("warning", "xla-bfloat16-cpu", None, message, fix)]
+
+
+_Check = Callable[[Any, _AuditContext], list[Finding]]
+
+# Every check `audit` runs, one row each: ("layer", check) runs `check(layer, context)` on each
+# leaf layer in the model's order, ("model", check) runs `check(model, context)` once after them.
+# The report lists errors, then warnings, then info; within a severity, in this order.
+CHECKS: tuple[tuple[str, _Check], ...] = (
+    ("layer", _low_precision_softmax),  # and low-precision-output: one or the other
+    ("layer", _low_precision_output),
+    ("layer", _tensor_core_alignment),
+    ("layer", _low_precision_variable),
+    ("model", _loss_scaling),  # not-compiled / no-loss-scaling
+    ("model", _cpu_float16_kernels),
+    ("model", _xla_bfloat16_cpu),
+)
+
+
+def _context(
+    model: keras.Model, policy: str | None, hardware: HardwareInfo | None
+) -> _AuditContext:
+    """Checks `audit`'s arguments and gathers what the checks read."""
+    if policy is not None:
+        policy = _check_policy_name(policy)
+        if policy == "auto":
+            policy = choose_policy().name
+    check_built_model(model, "audit")
+    machine = None
+    if policy is None:  # the model as it is, on this machine
+        machine = detect_hardware() if hardware is None else hardware
+    layers = iter_layers(model)
+    return _AuditContext(
+        model_policy=model.dtype_policy.name,
+        policy=policy,
+        layers=tuple(lyr for lyr in layers if not isinstance(lyr, keras.layers.InputLayer)),
+        output_ids=frozenset(id(layer) for layer in output_layers(model)),
+        hardware=machine,
+    )
+
+
+def _run_checks(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    findings: list[Finding] = []
+    for layer in context.leaves:
+        for scope, check in CHECKS:
+            if scope == "layer":
+                findings += check(layer, context)
+    for scope, check in CHECKS:
+        if scope == "model":
+            findings += check(model, context)
+    return sorted(findings, key=lambda finding: SEVERITIES.index(finding.severity))
+
+
+def _layer_dtypes(layer: Any, context: _AuditContext) -> LayerDtypes:
+    policy = context.policy_of(layer)
+    return LayerDtypes(
+        layer=layer.name,
+        class_name=type(layer).__name__,
+        policy=policy.name,
+        compute_dtype=policy.compute_dtype,
+        variable_dtype=policy.variable_dtype,
+    )
 
 
 def audit(
@@ -236,121 +413,10 @@ def audit(
     >>> report = tfmixprec.audit(model)
     >>> print(report)
     """
-    if policy is not None:
-        policy = check_policy_name(policy)
-        if policy == "auto":
-            policy = choose_policy().name
-    check_built_model(model, "audit")
-    model_policy = model.dtype_policy.name
-    audited_policy = policy or model_policy
-
-    def effective(layer: Any) -> keras.DTypePolicy:
-        if policy is not None and layer.dtype_policy.name == model_policy:
-            return keras.DTypePolicy(policy)
-        return layer.dtype_policy
-
-    findings: list[Finding] = []
-    rows: list[LayerDtypes] = []
-    layers = [
-        layer for layer in iter_layers(model) if not isinstance(layer, keras.layers.InputLayer)
-    ]
-    outputs = {id(layer) for layer in output_layers(model)}
-    any_float16 = False
-
-    for layer in layers:
-        is_container = bool(getattr(layer, "layers", None))
-        layer_policy = effective(layer)
-        compute = layer_policy.compute_dtype
-        rows.append(
-            LayerDtypes(
-                layer=layer.name,
-                class_name=type(layer).__name__,
-                policy=layer_policy.name,
-                compute_dtype=compute,
-                variable_dtype=layer_policy.variable_dtype,
-            )
-        )
-        if is_container:
-            continue
-        low = compute in LOW_PRECISION
-        any_float16 = any_float16 or compute == "float16"
-        reason = float32_reason(layer)
-        if low and reason is not None:
-            findings.append(
-                Finding(
-                    "error",
-                    "low-precision-softmax",
-                    layer.name,
-                    f"{reason} computed in {compute}: it saturates and loses small probabilities.",
-                    "Call tfmixprec.float32_outputs(model), or give this layer dtype='float32'.",
-                )
-            )
-        elif low and id(layer) in outputs:
-            findings.append(
-                Finding(
-                    "error",
-                    "low-precision-output",
-                    layer.name,
-                    f"produces a model output in {compute}; the loss should see float32.",
-                    "Call tfmixprec.float32_outputs(model), or give this layer dtype='float32'.",
-                )
-            )
-        if low:
-            for what, size in _sizes_to_align(layer):
-                if size % ALIGNMENT:
-                    findings.append(
-                        Finding(
-                            "warning",
-                            "tensor-core-alignment",
-                            layer.name,
-                            f"{what} is {size}, not a multiple of {ALIGNMENT}: Tensor Cores "
-                            f"run {compute} matmuls fastest on multiples of {ALIGNMENT}.",
-                            f"Pad {what} to {_padded(size)}.",
-                        )
-                    )
-        for variable in layer.weights:
-            if variable.dtype in LOW_PRECISION:
-                findings.append(
-                    Finding(
-                        "error",
-                        "low-precision-variable",
-                        layer.name,
-                        f"variable {variable.path or variable.name!r} is stored in "
-                        f"{variable.dtype}; master weights must stay float32.",
-                        "Build the layer under a mixed_* policy (float32 variables, "
-                        "low-precision compute) instead of dtype='float16'/'bfloat16'.",
-                    )
-                )
-
-    if any_float16:
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is None:
-            findings.append(
-                Finding(
-                    "info",
-                    "not-compiled",
-                    None,
-                    "the model computes in float16 and is not compiled yet; float16 needs "
-                    "loss scaling.",
-                    "Compile with tfmixprec.LossScaleOptimizer(your_optimizer).",
-                )
-            )
-        elif not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            findings.append(
-                Finding(
-                    "error",
-                    "no-loss-scaling",
-                    None,
-                    f"the model computes in float16 but its optimizer "
-                    f"{type(optimizer).__name__} does not scale the loss: small gradients "
-                    "flush to zero.",
-                    "Compile with tfmixprec.LossScaleOptimizer(your_optimizer).",
-                )
-            )
-    if policy is None:
-        findings.extend(
-            _this_machine_findings(model, detect_hardware() if hardware is None else hardware)
-        )
-    order = {s: i for i, s in enumerate(SEVERITIES)}
-    findings.sort(key=lambda f: order[f.severity])
-    return AuditReport(model=model.name, policy=audited_policy, findings=findings, layers=rows)
+    context = _context(model, policy, hardware)
+    return AuditReport(
+        model=model.name,
+        policy=context.policy or context.model_policy,
+        findings=_run_checks(model, context),
+        layers=[_layer_dtypes(layer, context) for layer in context.layers],
+    )

@@ -6,9 +6,7 @@ their logging interval (values put into `logs` on other batches are tensors, not
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -18,23 +16,11 @@ import tensorflow as tf
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.loss_scale import LOG_KEYS
 from tfmixprec.optimizer import LossScaleOptimizer
-from tfmixprec.unscaling import gradient_values
 
-__all__ = [
-    "LossScaleMonitor",
-    "OverflowGuard",
-    "GradientRangeMonitor",
-    "GradientRangeStats",
-    "gradient_range_stats",
-    "loss_scale_optimizer_of",
-]
-
-FLOAT16_TINIEST = 2.0**-24  # smallest float16 subnormal: below it, values flush to zero
-FLOAT16_SMALLEST_NORMAL = 2.0**-14
-FLOAT16_MAX = 65504.0
+__all__ = ["LossScaleMonitor", "OverflowGuard"]
 
 
-def loss_scale_optimizer_of(model: Any, who: str) -> LossScaleOptimizer:
+def _loss_scale_optimizer_of(model: Any, who: str) -> LossScaleOptimizer:
     """Returns `model.optimizer` if it is a tfmixprec `LossScaleOptimizer`, else raises."""
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, LossScaleOptimizer):
@@ -47,7 +33,7 @@ def loss_scale_optimizer_of(model: Any, who: str) -> LossScaleOptimizer:
     return optimizer
 
 
-def format_scale(scale: float) -> str:
+def _format_scale(scale: float) -> str:
     """32768.0 -> '32768'; 0.25 -> '0.25' (no exponent notation for whole scales)."""
     return str(int(scale)) if scale >= 1 and float(scale).is_integer() else f"{scale:g}"
 
@@ -57,25 +43,34 @@ class LossScaleMonitor(keras.callbacks.Callback):
     """Adds `loss_scale`, `overflow`, `overflow_steps` and `skipped_fraction` to the logs.
 
     At every batch end the values are added as tensors read from the optimizer (no host
-    sync); at epoch end as Python floats. With `verbose=1`, every `log_every` batches it
-    prints one line when there were overflows since the last report, e.g.
+    sync); at epoch end as Python floats (the values after the epoch's last step). With
+    `verbose=1`, every `update_freq` batches it prints one line when there were overflows
+    since the last report, e.g.
     `step 1200: 3 overflows since last report, loss scale 32768 -> 4096`.
+
+    The values: `loss_scale`, the current scale; `overflow`, the number of overflow (skipped)
+    steps in the span the value covers (one step in batch logs, so 0 or 1; the write interval
+    in TensorBoard); `overflow_steps`, the total since the optimizer was created;
+    `skipped_fraction`, `overflow_steps` over all steps.
 
     Args:
         verbose: Int. 0 (silent) or 1 (print overflow events).
-        log_every: Int. Batches between reports (the only host reads it makes).
+        update_freq: Int. Batches between reports (the only host reads it makes).
+
+    Raises:
+        ValueError: If `verbose` is not 0 or 1, or `update_freq` is not an integer >= 1.
 
     Example:
 
     >>> model.fit(x, y, callbacks=[tfmixprec.LossScaleMonitor(verbose=1)])
     """
 
-    def __init__(self, verbose: int = 0, log_every: int = 100) -> None:
+    def __init__(self, verbose: int = 0, update_freq: int = 100) -> None:
         super().__init__()
         if verbose not in (0, 1):
             raise ValueError(f"verbose must be 0 or 1. Received: verbose={verbose!r}")
         self.verbose = verbose
-        self.log_every = check_int_at_least_one("log_every", log_every)
+        self.update_freq = check_int_at_least_one("update_freq", update_freq)
         self.events: list[str] = []
         self._step = 0
         self._reported = (0, None)
@@ -83,14 +78,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._snapshot_of: Any = None
 
     def get_config(self) -> dict[str, Any]:
-        return {"verbose": self.verbose, "log_every": self.log_every}
+        return {"verbose": self.verbose, "update_freq": self.update_freq}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> LossScaleMonitor:
         return cls(**config)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        opt = loss_scale_optimizer_of(self.model, "LossScaleMonitor")
+        opt = _loss_scale_optimizer_of(self.model, "LossScaleMonitor")
         self._step = 0
         state = opt.read_state()
         self._reported = (state["overflow_steps"], state["loss_scale"])
@@ -105,18 +100,18 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        opt = loss_scale_optimizer_of(self.model, "LossScaleMonitor")
+        opt = _loss_scale_optimizer_of(self.model, "LossScaleMonitor")
         self._step += 1
         if not all(key in logs for key in LOG_KEYS):
             # Keras's own train_step: compute them here (tfmixprec's returns them already,
             # computed in the graph, which costs nothing per batch).
             logs.update(self._values(opt))
-        if self._step % self.log_every == 0:
+        if self._step % self.update_freq == 0:
             self._report(opt)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        opt = loss_scale_optimizer_of(self.model, "LossScaleMonitor")
+        opt = _loss_scale_optimizer_of(self.model, "LossScaleMonitor")
         logs.update({k: float(v.numpy()) for k, v in self._values(opt).items()})
         self._report(opt)
 
@@ -128,7 +123,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             line = (
                 f"step {self._step}: {overflows - before_overflows} overflow"
                 f"{'s' if overflows - before_overflows != 1 else ''} since last report, "
-                f"loss scale {format_scale(before_scale)} -> {format_scale(scale)}"
+                f"loss scale {_format_scale(before_scale)} -> {_format_scale(scale)}"
             )
             self.events.append(line)
             if self.verbose:
@@ -152,8 +147,12 @@ class OverflowGuard(keras.callbacks.Callback):
         restore_weights: Bool. On stopping, restore the last weights seen after an applied step
             with a finite loss (copied to the host at every check; costs memory and time).
         raise_error: Bool. Raise `FloatingPointError` with the message instead of only stopping.
-        check_every: Int. Batches between checks (each check reads two variables).
+        update_freq: Int. Batches between checks (each check reads two variables).
         verbose: Int. 1 prints the stop message.
+
+    Raises:
+        ValueError: If `patience`, `max_consecutive` or `update_freq` is not an integer >= 1,
+            or `restore_weights` / `raise_error` is not a bool.
 
     Example:
 
@@ -167,13 +166,13 @@ class OverflowGuard(keras.callbacks.Callback):
         max_consecutive: int = 20,
         restore_weights: bool = False,
         raise_error: bool = False,
-        check_every: int = 1,
+        update_freq: int = 1,
         verbose: int = 1,
     ) -> None:
         super().__init__()
         self.patience = check_int_at_least_one("patience", patience)
         self.max_consecutive = check_int_at_least_one("max_consecutive", max_consecutive)
-        self.check_every = check_int_at_least_one("check_every", check_every)
+        self.update_freq = check_int_at_least_one("update_freq", update_freq)
         for name, value in (("restore_weights", restore_weights), ("raise_error", raise_error)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False. Received: {name}={value!r}")
@@ -192,7 +191,7 @@ class OverflowGuard(keras.callbacks.Callback):
             "max_consecutive": self.max_consecutive,
             "restore_weights": self.restore_weights,
             "raise_error": self.raise_error,
-            "check_every": self.check_every,
+            "update_freq": self.update_freq,
             "verbose": self.verbose,
         }
 
@@ -201,7 +200,7 @@ class OverflowGuard(keras.callbacks.Callback):
         return cls(**config)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        loss_scale_optimizer_of(self.model, "OverflowGuard")
+        _loss_scale_optimizer_of(self.model, "OverflowGuard")
         self._step = 0
         self._at_min_since = None
         self.stopped_step = None
@@ -212,9 +211,9 @@ class OverflowGuard(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs or {}
         self._step += 1
-        if self._step % self.check_every:
+        if self._step % self.update_freq:
             return
-        opt = loss_scale_optimizer_of(self.model, "OverflowGuard")
+        opt = _loss_scale_optimizer_of(self.model, "OverflowGuard")
         state = opt.read_state()
         consecutive = state["consecutive_overflows"]
         at_min = opt.dynamic and state["loss_scale"] <= opt.min_scale
@@ -259,274 +258,3 @@ class OverflowGuard(keras.callbacks.Callback):
             print(self.stop_message)
         if self.raise_error:
             raise FloatingPointError(self.stop_message)
-
-
-@dataclasses.dataclass
-class GradientRangeStats:
-    """Where gradient magnitudes fall relative to float16's range.
-
-    Fractions are of all values. `histogram` maps `floor(log2|g|)` to a count (zeros are not
-    in it; see `zero_fraction`).
-    """
-
-    count: int
-    zero_fraction: float
-    underflow_fraction: float  # 0 < |g| < 2^-24: flushes to zero in float16
-    subnormal_fraction: float  # 2^-24 <= |g| < 2^-14: float16 subnormal (lost precision)
-    overflow_fraction: float  # |g| > 65504 (or Inf/NaN): overflows float16
-    histogram: dict[int, int]
-    min_abs_nonzero: float
-    max_abs: float
-    log2_abs: np.ndarray = dataclasses.field(repr=False)
-
-    def percentile(self, q: float) -> float:
-        """The q-th percentile (0-100) of the non-zero |g|."""
-        if self.log2_abs.size == 0:
-            return 0.0
-        return float(2.0 ** np.percentile(self.log2_abs, q))
-
-    def recommend_loss_scale(self, percentile: float = 1.0, max_scale: float = 2.0**24) -> float:
-        """The power-of-two scale that lifts the `percentile`-th smallest non-zero |g| into
-        float16's normal range (>= 2^-14) without pushing the largest past 65504.
-
-        Args:
-            percentile: Float in [0, 100]. Which of the smallest gradients must be normal.
-            max_scale: Float. Upper bound on the answer.
-
-        Returns:
-            A float power of two (at least 1).
-        """
-        if not 0 <= percentile <= 100:
-            raise ValueError(f"percentile must be in [0, 100]. Received: percentile={percentile!r}")
-        if self.log2_abs.size == 0:
-            return 1.0
-        small = np.percentile(self.log2_abs, percentile)
-        exponent = math.ceil(math.log2(FLOAT16_SMALLEST_NORMAL) - small)
-        if self.max_abs > 0 and math.isfinite(self.max_abs):
-            exponent = min(exponent, math.floor(math.log2(FLOAT16_MAX / self.max_abs)))
-        exponent = min(exponent, math.floor(math.log2(max_scale)))
-        return float(2.0 ** max(exponent, 0))
-
-
-def gradient_range_stats(grads: Sequence[Any]) -> GradientRangeStats:
-    """Computes, in float32, where gradient values fall relative to float16's range.
-
-    Args:
-        grads: List of tensors, arrays, `tf.IndexedSlices` or `None`.
-
-    Returns:
-        A `GradientRangeStats`.
-
-    Example:
-
-    >>> stats = tfmixprec.gradient_range_stats([np.array([0.0, 1e-9, 1e-6, 1.0])])
-    >>> stats.underflow_fraction
-    0.25
-    """
-    parts = [
-        np.abs(np.asarray(tf.cast(grad, tf.float32)).ravel()) for grad in gradient_values(grads)
-    ]
-    values = np.concatenate(parts) if parts else np.zeros((0,), np.float32)
-    count = int(values.size)
-    if count == 0:
-        return GradientRangeStats(0, 0.0, 0.0, 0.0, 0.0, {}, 0.0, 0.0, np.zeros((0,), np.float32))
-    finite = np.isfinite(values)
-    zeros = values == 0
-    nonzero = values[(~zeros) & finite]
-    log2_abs = np.log2(nonzero).astype(np.float32)
-    bins, counts = np.unique(np.floor(log2_abs).astype(np.int64), return_counts=True)
-    return GradientRangeStats(
-        count=count,
-        zero_fraction=float(zeros.sum()) / count,
-        underflow_fraction=float((nonzero < FLOAT16_TINIEST).sum()) / count,
-        subnormal_fraction=float(
-            ((nonzero >= FLOAT16_TINIEST) & (nonzero < FLOAT16_SMALLEST_NORMAL)).sum()
-        )
-        / count,
-        overflow_fraction=float((nonzero > FLOAT16_MAX).sum() + (~finite).sum()) / count,
-        histogram={int(b): int(c) for b, c in zip(bins, counts)},
-        min_abs_nonzero=float(nonzero.min()) if nonzero.size else 0.0,
-        max_abs=float(values[finite].max()) if finite.any() else math.inf,
-        log2_abs=log2_abs,
-    )
-
-
-@keras.saving.register_keras_serializable(package="tfmixprec")
-class GradientRangeMonitor(keras.callbacks.Callback):
-    """Every `every_n_steps`, measures where gradients fall relative to float16's range.
-
-    On one batch (`data`), it computes gradients of the loss scaled by the optimizer's current
-    scale, unscales them in float32, and reports the fraction that would flush to zero in
-    float16 (|g| < 2^-24), that would be subnormal (< 2^-14), that would overflow (> 65504),
-    and exact zeros, for the weight gradients and, optionally, for the activation gradients of
-    chosen layers (functional models). This is the analysis of Figure 2 of the
-    mixed-precision paper, as a tool. The logs gain `grad_underflow_fraction`,
-    `grad_subnormal_fraction`, `grad_overflow_fraction` and `grad_zero_fraction`.
-
-    Args:
-        data: Tuple `(x, y)` or `(x, y, sample_weight)`. The batch to measure on.
-        every_n_steps: Int. Batches between measurements (each is one extra forward and
-            backward pass plus a host read).
-        layers: List of layer names. Also measure the gradients of these layers' outputs.
-        loss_fn: Callable `(y_true, y_pred)`. Defaults to the compiled `model.loss`.
-
-    Example:
-
-    >>> monitor = tfmixprec.GradientRangeMonitor((x[:64], y[:64]), every_n_steps=100)
-    >>> model.fit(x, y, callbacks=[monitor])
-    >>> monitor.weight_stats.underflow_fraction, monitor.recommend_loss_scale()
-    """
-
-    def __init__(
-        self,
-        data: tuple,
-        every_n_steps: int = 100,
-        layers: Sequence[str] | None = None,
-        loss_fn: Callable[..., Any] | None = None,
-    ) -> None:
-        super().__init__()
-        if not isinstance(data, (tuple, list)) or len(data) not in (2, 3):
-            raise ValueError(
-                "data must be one batch as a tuple (x, y) or (x, y, sample_weight). "
-                f"Received: data of type {type(data).__name__}"
-            )
-        self.data = tuple(data)
-        self.every_n_steps = check_int_at_least_one("every_n_steps", every_n_steps)
-        self.layers = list(layers or [])
-        self.loss_fn = loss_fn
-        self.weight_stats: GradientRangeStats | None = None
-        self.activation_stats: dict[str, GradientRangeStats] = {}
-        self.last_step: int | None = None
-        self._step = 0
-        self._driver: Any = None  # a TensorBoard callback that drives this monitor
-        self._probe: Any = None
-        self._compute: Any = None
-
-    def get_config(self) -> dict[str, Any]:
-        # The data batch is not serializable; a restored monitor needs it passed again.
-        return {"every_n_steps": self.every_n_steps, "layers": self.layers}
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> GradientRangeMonitor:
-        raise TypeError(
-            "GradientRangeMonitor holds a data batch and cannot be rebuilt from its config "
-            f"alone; create it with GradientRangeMonitor(data, **config). Received: {config!r}"
-        )
-
-    def _resolve_loss(self) -> Callable[..., Any]:
-        if self.loss_fn is not None:
-            return self.loss_fn
-        loss = getattr(self.model, "loss", None)
-        if isinstance(loss, (str, keras.losses.Loss)) or callable(loss):
-            return keras.losses.get(loss) if isinstance(loss, str) else loss
-        raise ValueError(
-            "GradientRangeMonitor needs a loss: the model's compiled loss "
-            f"{loss!r} is not a single loss. Pass loss_fn=... ."
-        )
-
-    def _build(self) -> None:
-        model = self.model
-        loss_fn = self._resolve_loss()
-        if self.layers:
-            if not hasattr(model, "inputs") or not model.inputs:
-                raise ValueError(
-                    "Activation gradients (layers=...) need a functional or Sequential model; "
-                    f"model {model.name!r} is subclassed. Received: layers={self.layers!r}"
-                )
-            names = [layer.name for layer in model.layers]
-            missing = [name for name in self.layers if name not in names]
-            if missing:
-                raise ValueError(
-                    f"No layer named {missing[0]!r} in model {model.name!r}. Layers: {names}"
-                )
-            outputs = [model.get_layer(name).output for name in self.layers]
-            self._probe = keras.Model(model.inputs, outputs + [model.outputs])
-        else:
-            self._probe = None
-
-        def compute(x, y, sample_weight, scale):
-            with tf.GradientTape() as tape:
-                # Record from the inputs on, so that layers which pass a tensor through
-                # unchanged still have an activation gradient.
-                for tensor in tf.nest.flatten(x):
-                    if tensor.dtype.is_floating:
-                        tape.watch(tensor)
-                if self._probe is not None:
-                    results = self._probe(x, training=False)
-                    activations, y_pred = results[:-1], results[-1]
-                    if isinstance(y_pred, list) and len(y_pred) == 1:
-                        y_pred = y_pred[0]
-                else:
-                    activations, y_pred = [], model(x, training=False)
-                if sample_weight is None:
-                    loss = loss_fn(y, y_pred)
-                else:
-                    loss = loss_fn(y, y_pred, sample_weight)
-                scaled = tf.cast(loss, tf.float32) * scale
-            grads = tape.gradient(scaled, [model.trainable_variables, activations])
-            return [
-                [None if g is None else tf.cast(g, tf.float32) / scale for g in group]
-                for group in grads
-            ]
-
-        self._compute = tf.function(compute)
-
-    def measure(self) -> GradientRangeStats:
-        """Measures now, on `data`; returns (and keeps) the weight-gradient stats."""
-        if self._compute is None:
-            self._build()
-        opt = getattr(self.model, "optimizer", None)
-        scale = opt.read_state()["loss_scale"] if isinstance(opt, LossScaleOptimizer) else 1.0
-        x, y = self.data[0], self.data[1]
-        sample_weight = self.data[2] if len(self.data) == 3 else None
-        x = tf.nest.map_structure(tf.convert_to_tensor, x)
-        weight_grads, activation_grads = self._compute(x, y, sample_weight, tf.constant(scale))
-        self.weight_stats = gradient_range_stats(weight_grads)
-        self.activation_stats = {
-            name: gradient_range_stats([g]) for name, g in zip(self.layers, activation_grads)
-        }
-        self.last_step = self._step
-        return self.weight_stats
-
-    def recommend_loss_scale(self, percentile: float = 1.0, which: str | None = None) -> float:
-        """The loss scale that moves the `percentile`-th smallest gradient into float16's
-        normal range (see `GradientRangeStats.recommend_loss_scale`).
-
-        Args:
-            percentile: Float. Which of the smallest non-zero |g| must become normal.
-            which: String. A layer name from `layers` (its activation gradients), or `None`
-                for the weight gradients.
-        """
-        if self.weight_stats is None:
-            self.measure()
-        stats = self.weight_stats if which is None else self.activation_stats.get(which)
-        if stats is None:
-            raise ValueError(
-                f"which must be None or one of {self.layers}. Received: which={which!r}"
-            )
-        return stats.recommend_loss_scale(percentile)
-
-    def step(self, logs: dict | None = None) -> bool:
-        """Counts one batch; measures on every `every_n_steps`-th. Returns whether it did."""
-        self._step += 1
-        if self._step % self.every_n_steps:
-            return False
-        stats = self.measure()
-        if logs is not None:
-            logs.update(
-                {
-                    "grad_underflow_fraction": stats.underflow_fraction,
-                    "grad_subnormal_fraction": stats.subnormal_fraction,
-                    "grad_overflow_fraction": stats.overflow_fraction,
-                    "grad_zero_fraction": stats.zero_fraction,
-                }
-            )
-        return True
-
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        self._step = 0
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self._driver is not None:
-            return  # the TensorBoard callback calls step() itself
-        self.step(logs if logs is not None else {})

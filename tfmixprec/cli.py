@@ -10,6 +10,7 @@ import time
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 DEMO_POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
@@ -148,7 +149,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import keras
 
     import tfmixprec
-    from tfmixprec.callbacks import format_scale
 
     choice = tfmixprec.choose_policy()
     policy = choice.name if args.policy == "auto" else args.policy
@@ -164,7 +164,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
         )
-        monitor = tfmixprec.LossScaleMonitor(verbose=1, log_every=20)
+        monitor = tfmixprec.LossScaleMonitor(verbose=1, update_freq=20)
         board = tfmixprec.TensorBoard(str(run_dir), update_freq=5)
         model.fit(
             x_train,
@@ -175,22 +175,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
             callbacks=[monitor, board],
         )
         _, accuracy = model.evaluate(x_test, y_test, verbose=0)
-    state = model.optimizer.read_state()
-    dynamic = model.optimizer.dynamic
-    seconds = time.perf_counter() - start
+    _print_demo_summary(
+        policy, accuracy, len(x_test), model.optimizer, time.perf_counter() - start, args.logdir
+    )
+    return EXIT_OK
+
+
+def _print_demo_summary(
+    policy: str, accuracy: float, n_test: int, optimizer: Any, seconds: float, logdir: str
+) -> None:
+    from tfmixprec.callbacks import _format_scale
+
+    state = optimizer.read_state()
+    steps = state["overflow_steps"] + state["iterations"]
     print("")
     print("tfmixprec demo summary")
     print(f"  policy          {policy}")
-    print(f"  test accuracy   {accuracy:.4f} ({len(x_test)} held-out digits images)")
-    steps = state["overflow_steps"] + state["iterations"]
-    print(
-        f"  loss scale      {format_scale(state['loss_scale'])} "
-        f"({'dynamic' if dynamic else 'fixed'})"
-    )
+    print(f"  test accuracy   {accuracy:.4f} ({n_test} held-out digits images)")
+    kind = "dynamic" if optimizer.dynamic else "fixed"
+    print(f"  loss scale      {_format_scale(state['loss_scale'])} ({kind})")
     print(f"  overflow steps  {state['overflow_steps']} of {steps}")
     print(f"  training time   {seconds:.1f} s")
-    print(f"  TensorBoard     tensorboard --logdir {args.logdir}")
-    return EXIT_OK
+    print(f"  TensorBoard     tensorboard --logdir {logdir}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

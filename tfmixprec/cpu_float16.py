@@ -39,7 +39,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec._keras_compat import all_sublayers
+from tfmixprec._layers import iter_layers
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 
 __all__ = [
@@ -132,7 +132,7 @@ def _float32_method(layer: Any) -> tuple[str, Any] | None:
 def _product_layers(model: keras.Model) -> list[Any]:
     return [
         layer
-        for layer in [model, *all_sublayers(model)]  # a single layer works too
+        for layer in [model, *iter_layers(model)]  # a single layer works too
         if layer.compute_dtype == "float16" and _float32_method(layer) is not None
     ]
 

@@ -9,16 +9,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import keras
-import numpy as np
 
 from tfmixprec import cpu_float16
-from tfmixprec._keras_compat import all_sublayers
-from tfmixprec.hardware import HardwareInfo, detect_hardware
+from tfmixprec._layers import check_built_model, forget_traced_functions, iter_layers, output_layers
+from tfmixprec.hardware import GPUInfo, HardwareInfo, detect_hardware
 
 __all__ = [
     "PolicyChoice",
     "PolicyChange",
-    "POLICY_NAMES",
     "choose_policy",
     "set_policy",
     "policy_scope",
@@ -80,33 +78,7 @@ def choose_policy(hardware: HardwareInfo | None = None) -> PolicyChoice:
             "mixed_bfloat16", f"{hw.tpus} TPU device(s): TPUs compute natively in bfloat16."
         )
     if hw.gpus:
-        ccs = [g.compute_capability for g in hw.gpus]
-        if any(cc is None for cc in ccs):
-            names = ", ".join(g.name for g in hw.gpus if g.compute_capability is None)
-            return PolicyChoice(
-                "float32",
-                f"GPU(s) with unknown compute capability ({names}): no known fast float16 "
-                "or bfloat16 path, so float32 is the safe choice.",
-            )
-        weakest = min(ccs)
-        cc_text = f"{weakest[0]}.{weakest[1]}"
-        if weakest >= (8, 0):
-            return PolicyChoice(
-                "mixed_bfloat16",
-                f"NVIDIA GPU(s) with compute capability {cc_text} (>= 8.0) have bfloat16 "
-                "Tensor Cores; bfloat16 has float32's range, so no loss scaling is needed.",
-            )
-        if weakest >= (7, 0):
-            return PolicyChoice(
-                "mixed_float16",
-                f"NVIDIA GPU(s) with compute capability {cc_text} have float16 Tensor Cores "
-                "but no bfloat16 ones; use float16 with loss scaling.",
-            )
-        return PolicyChoice(
-            "float32",
-            f"NVIDIA GPU(s) with compute capability {cc_text} (< 7.0) have no Tensor Cores: "
-            "mixed precision would be slower than float32.",
-        )
+        return _choose_for_gpus(hw.gpus)
     if hw.cpu_bfloat16:
         flags = "AMX_BF16" if hw.cpu_amx else "AVX512_BF16"
         return PolicyChoice(
@@ -121,7 +93,39 @@ def choose_policy(hardware: HardwareInfo | None = None) -> PolicyChoice:
     )
 
 
-def check_policy_name(name: Any) -> str:
+def _choose_for_gpus(gpus: tuple[GPUInfo, ...]) -> PolicyChoice:
+    """The policy for NVIDIA GPUs: the weakest compute capability decides."""
+    ccs = [g.compute_capability for g in gpus]
+    if any(cc is None for cc in ccs):
+        names = ", ".join(g.name for g in gpus if g.compute_capability is None)
+        return PolicyChoice(
+            "float32",
+            f"GPU(s) with unknown compute capability ({names}): no known fast float16 "
+            "or bfloat16 path, so float32 is the safe choice.",
+        )
+    weakest = min(ccs)
+    cc_text = f"{weakest[0]}.{weakest[1]}"
+    if weakest >= (8, 0):
+        return PolicyChoice(
+            "mixed_bfloat16",
+            f"NVIDIA GPU(s) with compute capability {cc_text} (>= 8.0) have bfloat16 "
+            "Tensor Cores; bfloat16 has float32's range, so no loss scaling is needed.",
+        )
+    if weakest >= (7, 0):
+        return PolicyChoice(
+            "mixed_float16",
+            f"NVIDIA GPU(s) with compute capability {cc_text} have float16 Tensor Cores "
+            "but no bfloat16 ones; use float16 with loss scaling.",
+        )
+    return PolicyChoice(
+        "float32",
+        f"NVIDIA GPU(s) with compute capability {cc_text} (< 7.0) have no Tensor Cores: "
+        "mixed precision would be slower than float32.",
+    )
+
+
+def _check_policy_name(name: Any) -> str:
+    """Returns the policy name of `name` (a string or a `keras.DTypePolicy`), or raises."""
     if isinstance(name, keras.DTypePolicy):
         name = name.name
     if not isinstance(name, str):
@@ -158,7 +162,7 @@ def set_policy(name: str | keras.DTypePolicy, hardware: HardwareInfo | None = No
     >>> tfmixprec.set_policy("auto").name
     'mixed_bfloat16'
     """
-    name = check_policy_name(name)
+    name = _check_policy_name(name)
     if name == "auto":
         name = choose_policy(hardware).name
     keras.config.set_dtype_policy(name)
@@ -182,7 +186,7 @@ def policy_scope(name: str, hardware: HardwareInfo | None = None) -> Iterator[An
     >>> with tfmixprec.policy_scope("mixed_bfloat16"):
     ...     model = build_model()
     """
-    check_policy_name(name)  # fail before touching the global policy
+    _check_policy_name(name)  # fail before touching the global policy
     previous = keras.config.dtype_policy()
     try:
         yield set_policy(name, hardware)
@@ -205,101 +209,6 @@ def float32_reason(layer: Any) -> str | None:
     if name in FLOAT32_ACTIVATIONS:
         return f"{name} activation"
     return None
-
-
-def check_built_model(model: Any, what: str) -> None:
-    """Raises a clear error unless `model` is a built Keras model."""
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"{what} expects a keras.Model. Received: model of type "
-            f"{type(model).__module__}.{type(model).__name__}"
-        )
-    if not model.built:
-        raise ValueError(
-            f"Model {model.name!r} is not built, so its layers have no weights or outputs "
-            f"yet. Build it first: call it on a batch, or call model.build(input_shape), "
-            f"then call {what} again."
-        )
-
-
-def iter_layers(model: keras.Model) -> list[Any]:
-    """All layers of `model`, nested ones included, without the model itself."""
-    return all_sublayers(model)
-
-
-def output_layers(model: keras.Model) -> list[Any]:
-    """The leaf layers whose outputs are the model's outputs.
-
-    Functional and Sequential models are read from their graph. Subclassed models are probed
-    with one eager call on a batch of zeros while their layers' calls are watched.
-    """
-    found: list[Any] = []
-
-    def add(layer: Any) -> None:
-        if isinstance(layer, keras.Model) and layer.layers:
-            for inner in output_layers(layer):
-                add(inner)
-        elif layer not in found and not isinstance(layer, keras.layers.InputLayer):
-            found.append(layer)
-
-    outputs = None
-    try:
-        outputs = model.outputs
-    except (AttributeError, ValueError):
-        outputs = None
-    if outputs:
-        for tensor in keras.tree.flatten(outputs):
-            history = getattr(tensor, "_keras_history", None)
-            if history is not None:
-                add(history.operation)
-        return found
-    for layer in _probe_output_layers(model):
-        add(layer)
-    return found
-
-
-def _probe_output_layers(model: keras.Model) -> list[Any]:
-    shapes = getattr(model, "_build_shapes_dict", None)
-    if not shapes or len(shapes) != 1:
-        raise ValueError(
-            f"Cannot find the output layers of subclassed model {model.name!r}: it was not "
-            "built from a single input shape. Build it with model.build(input_shape) or call "
-            "it on one batch first."
-        )
-    shape = [1 if dim is None else dim for dim in next(iter(shapes.values()))]
-    produced: dict[int, tuple[Any, Any]] = {}  # id -> (layer, tensor kept alive)
-    leaves = [layer for layer in iter_layers(model) if not getattr(layer, "layers", None)]
-    own_calls = {id(layer): vars(layer).get("call") for layer in leaves}  # e.g. cpu_float16's
-    for layer in leaves:
-
-        def watched(*args, __layer=layer, __call=layer.call, **kwargs):
-            result = __call(*args, **kwargs)
-            for tensor in keras.tree.flatten(result):
-                produced[id(tensor)] = (__layer, tensor)
-            return result
-
-        layer.call = watched
-    try:
-        result = model(np.zeros(shape, "float32"), training=False)
-    finally:
-        for layer in leaves:
-            if own_calls[id(layer)] is None:
-                del layer.call  # back to the class method
-            else:
-                layer.call = own_calls[id(layer)]
-    layers = []
-    for tensor in keras.tree.flatten(result):
-        layer, _ = produced.get(id(tensor), (None, None))
-        if layer is not None:
-            layers.append(layer)
-    return layers
-
-
-def forget_traced_functions(model: keras.Model) -> None:
-    """Drops `model`'s traced train/test/predict functions so a layer change takes effect."""
-    for attr in ("train_function", "test_function", "predict_function"):
-        if getattr(model, attr, None) is not None:
-            setattr(model, attr, None)
 
 
 def float32_outputs(model: keras.Model) -> list[PolicyChange]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -11,9 +12,10 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
 from tfmixprec._keras_compat import tensorboard_batch_work, tensorboard_step, tensorboard_writer
-from tfmixprec.callbacks import GradientRangeMonitor, loss_scale_optimizer_of
+from tfmixprec.callbacks import _loss_scale_optimizer_of
+from tfmixprec.gradient_range import GradientRangeMonitor
 
-__all__ = ["TensorBoard", "dashboard_layout", "TAGS"]
+__all__ = ["TensorBoard", "dashboard_layout"]  # what the package exports
 
 PREFIX = "mixed_precision"
 TAGS = {
@@ -59,24 +61,47 @@ def dashboard_layout() -> layout_pb2.Layout:
     )
 
 
+def _profile_batch_value(profile_batch: int | str | Sequence[int]) -> int | list[int]:
+    """`profile_batch` (already checked by Keras) as an int or a `[start, stop]` list, the
+    form that survives a JSON round trip ("2,5" and (2, 5) both give [2, 5])."""
+    if isinstance(profile_batch, str):
+        profile_batch = profile_batch.split(",")
+    if isinstance(profile_batch, (tuple, list)):
+        return [int(value) for value in profile_batch]
+    return profile_batch
+
+
 @keras.saving.register_keras_serializable(package="tfmixprec")
 class TensorBoard(keras.callbacks.TensorBoard):
     """`keras.callbacks.TensorBoard` plus loss-scale and overflow summaries.
 
     Everything Keras's callback writes is still written. In addition, at each write (every
     `update_freq` batches, or at epoch end with `update_freq="epoch"`), it writes
-    `mixed_precision/loss_scale`, `mixed_precision/overflow` (the overflow steps since the
-    previous write: 1 at each overflow step with `update_freq=1`), `mixed_precision/
-    overflow_steps` (total) and, with a `GradientRangeMonitor`, `mixed_precision/
-    grad_underflow_fraction`, `grad_subnormal_fraction` and a log2|g| histogram. It also
-    writes a custom-scalars layout named "Mixed precision". Batches where it does not write
-    cost no host sync. The step axis is the global batch (the epoch with `"epoch"`).
+    `mixed_precision/loss_scale`, `mixed_precision/overflow`, `mixed_precision/overflow_steps`
+    (total) and, with a `GradientRangeMonitor`, `mixed_precision/grad_underflow_fraction`,
+    `grad_subnormal_fraction` and a log2|g| histogram. `overflow` has the meaning it has in
+    the logs: the number of overflow (skipped) steps in the span the value covers (one step in
+    batch logs, so 0 or 1; the write interval here, so 0 or 1 at each step with
+    `update_freq=1`). It also writes a custom-scalars layout named "Mixed precision". Batches
+    where it does not write cost no host sync. The step axis is the global batch (the epoch
+    with `"epoch"`).
+
+    `get_config()` holds every argument of `keras.callbacks.TensorBoard`; `gradient_monitor`
+    is left out (a `GradientRangeMonitor` holds a data batch and is not serializable): pass
+    it again to a restored callback.
 
     Args:
         log_dir: String. Where to write, as for Keras's callback.
-        gradient_monitor: `GradientRangeMonitor`. Driven by this callback (no need to pass it
-            to `fit` as well); its measurements are written.
-        **kwargs: Any argument of `keras.callbacks.TensorBoard` (`update_freq`, ...).
+        gradient_monitor: `GradientRangeMonitor`. Driven by this callback (it calls
+            `gradient_monitor.drive_from(self)`): this callback steps it once per batch and
+            writes its measurements; passing it to `fit` as well does not measure twice.
+        **kwargs: Any other argument of `keras.callbacks.TensorBoard` (`update_freq`,
+            `histogram_freq`, `profile_batch`, ...).
+
+    Raises:
+        TypeError: If `gradient_monitor` is not a `GradientRangeMonitor`.
+        ValueError: If `update_freq` is not `"epoch"`, `"batch"` or an integer >= 1, or
+            `gradient_monitor` is already driven by another callback.
 
     Example:
 
@@ -104,14 +129,34 @@ class TensorBoard(keras.callbacks.TensorBoard):
                 f"Received: update_freq={update_freq!r}"
             )
         super().__init__(log_dir=log_dir, **kwargs)
+        # Keras keeps only the parsed range (privately): keep the argument, for get_config.
+        self.profile_batch = _profile_batch_value(kwargs.get("profile_batch", 0))
         self.gradient_monitor = gradient_monitor
         if gradient_monitor is not None:
-            gradient_monitor._driver = self
+            gradient_monitor.drive_from(self)
         self._last_overflow_total = 0
         self._grad_measured_at: int | None = None
 
     def get_config(self) -> dict[str, Any]:
-        return {"log_dir": self.log_dir, "update_freq": self.update_freq}
+        """Every argument of `keras.callbacks.TensorBoard`, as this callback holds it.
+
+        Returns:
+            Dict with `log_dir`, `histogram_freq`, `write_graph`, `write_images`,
+            `write_steps_per_second`, `update_freq` (`"batch"` is held as 1),
+            `profile_batch` (a pair as a list), `embeddings_freq` and `embeddings_metadata`.
+            `gradient_monitor` is not in it (not serializable: it holds a data batch).
+        """
+        return {
+            "log_dir": self.log_dir,
+            "histogram_freq": self.histogram_freq,
+            "write_graph": self.write_graph,
+            "write_images": self.write_images,
+            "write_steps_per_second": self.write_steps_per_second,
+            "update_freq": self.update_freq,
+            "profile_batch": self.profile_batch,
+            "embeddings_freq": self.embeddings_freq,
+            "embeddings_metadata": self.embeddings_metadata,
+        }
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> TensorBoard:
@@ -124,7 +169,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         super().on_train_begin(logs)
-        opt = loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
+        opt = _loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
         self._last_overflow_total = opt.read_state()["overflow_steps"]
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
@@ -151,7 +196,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
             self._write(epoch)
 
     def _write(self, step: int) -> None:
-        opt = loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
+        opt = _loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
         state = opt.read_state()
         total = state["overflow_steps"]
         with tensorboard_writer(self).as_default(), tf.summary.record_if(True):

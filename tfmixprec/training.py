@@ -17,7 +17,8 @@ import tensorflow as tf
 from keras import ops
 
 from tfmixprec import cpu_float16
-from tfmixprec._keras_compat import Functional, all_sublayers, functional_init_arguments
+from tfmixprec._keras_compat import Functional, functional_init_arguments
+from tfmixprec._layers import iter_layers
 from tfmixprec.optimizer import LossScaleOptimizer
 
 __all__ = [
@@ -34,7 +35,7 @@ LOSS_SCALING = ("auto", "dynamic", "none")
 def _computes_in_float16(model: Any) -> bool:
     if model.dtype_policy.compute_dtype == "float16":
         return True
-    return any(layer.dtype_policy.compute_dtype == "float16" for layer in all_sublayers(model))
+    return any(layer.dtype_policy.compute_dtype == "float16" for layer in iter_layers(model))
 
 
 def _route_around_slow_cpu_kernels(model: Any) -> None:
@@ -112,17 +113,17 @@ def _with_accumulation(optimizer: LossScaleOptimizer, steps: int) -> LossScaleOp
 
 
 class _MinScaleWatch(keras.callbacks.Callback):
-    """Reports a `min_scale` overflow (`on_min_scale`) every `every` batches and at epoch end,
-    so `"raise"` stops `fit` promptly instead of at its end. One scalar read per check."""
+    """Reports a `min_scale` overflow (`on_min_scale`) every `update_freq` batches and at epoch
+    end, so `"raise"` stops `fit` promptly instead of at its end. One scalar read per check."""
 
-    def __init__(self, every: int = 50) -> None:
+    def __init__(self, update_freq: int = 50) -> None:
         super().__init__()
-        self.every = every
+        self.update_freq = update_freq
         self._batches = 0
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._batches += 1
-        if self._batches % self.every == 0:
+        if self._batches % self.update_freq == 0:
             self.model.optimizer.check_min_scale()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:

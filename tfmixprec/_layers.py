@@ -1,0 +1,139 @@
+"""Walking a model's layer graph: all layers, output layers, and the checks that come first.
+
+Private: used by `policy` and `audit` (and by `training` and `cpu_float16` to walk a model's
+layers). The Keras internals it needs (the layer walk, a tensor's producing layer, a subclassed
+model's build shapes) live in `_keras_compat`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+
+from tfmixprec._keras_compat import all_sublayers, build_shapes, producing_layer
+
+__all__: list[str] = []  # private module: nothing here is part of the package's API
+
+
+def check_built_model(model: Any, what: str) -> None:
+    """Raises a clear error unless `model` is a built Keras model.
+
+    Args:
+        model: Any. The value to check.
+        what: String. The caller's name, shown in the message (e.g. `"audit"`).
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model`.
+        ValueError: If the model is not built.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"{what} expects a keras.Model. Received: model of type "
+            f"{type(model).__module__}.{type(model).__name__}"
+        )
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built, so its layers have no weights or outputs "
+            f"yet. Build it first: call it on a batch, or call model.build(input_shape), "
+            f"then call {what} again."
+        )
+
+
+def iter_layers(model: keras.Model) -> list[Any]:
+    """All layers of `model`, nested ones included, without the model itself."""
+    return all_sublayers(model)
+
+
+def is_container(layer: Any) -> bool:
+    """True for a layer that holds layers of its own (a nested model), False for a leaf."""
+    return bool(getattr(layer, "layers", None))
+
+
+def output_layers(model: keras.Model) -> list[Any]:
+    """The leaf layers whose outputs are the model's outputs.
+
+    Functional and Sequential models are read from their graph. Subclassed models are probed
+    with one eager call on a batch of zeros while their layers' calls are watched.
+
+    Args:
+        model: `keras.Model`. A built model.
+
+    Returns:
+        List of layers, each once, in the order of the model's outputs.
+
+    Raises:
+        ValueError: For a subclassed model not built from a single input shape.
+    """
+    found: list[Any] = []
+
+    def add(layer: Any) -> None:
+        if isinstance(layer, keras.Model) and layer.layers:
+            for inner in output_layers(layer):
+                add(inner)
+        elif layer not in found and not isinstance(layer, keras.layers.InputLayer):
+            found.append(layer)
+
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        outputs = None
+    if outputs:
+        for tensor in keras.tree.flatten(outputs):
+            layer = producing_layer(tensor)
+            if layer is not None:
+                add(layer)
+        return found
+    for layer in _probe_output_layers(model):
+        add(layer)
+    return found
+
+
+def _probe_output_layers(model: keras.Model) -> list[Any]:
+    """Calls a subclassed `model` once on zeros and returns the leaf layers that made its outputs.
+
+    Each leaf's `call` is replaced by a watcher for the call and restored after it: back to the
+    class method, or to an instance `call` another part had set (e.g. `cpu_float16`'s).
+    """
+    shapes = build_shapes(model)
+    if not shapes or len(shapes) != 1:
+        raise ValueError(
+            f"Cannot find the output layers of subclassed model {model.name!r}: it was not "
+            "built from a single input shape. Build it with model.build(input_shape) or call "
+            "it on one batch first."
+        )
+    shape = [1 if dim is None else dim for dim in next(iter(shapes.values()))]
+    produced: dict[int, tuple[Any, Any]] = {}  # id -> (layer, tensor kept alive)
+    leaves = [layer for layer in iter_layers(model) if not is_container(layer)]
+    own_calls = {id(layer): vars(layer).get("call") for layer in leaves}  # e.g. cpu_float16's
+    for layer in leaves:
+
+        def watched(*args, __layer=layer, __call=layer.call, **kwargs):
+            result = __call(*args, **kwargs)
+            for tensor in keras.tree.flatten(result):
+                produced[id(tensor)] = (__layer, tensor)
+            return result
+
+        layer.call = watched
+    try:
+        result = model(np.zeros(shape, "float32"), training=False)
+    finally:
+        for layer in leaves:
+            if own_calls[id(layer)] is None:
+                del layer.call  # back to the class method
+            else:
+                layer.call = own_calls[id(layer)]
+    layers = []
+    for tensor in keras.tree.flatten(result):
+        layer, _ = produced.get(id(tensor), (None, None))
+        if layer is not None:
+            layers.append(layer)
+    return layers
+
+
+def forget_traced_functions(model: keras.Model) -> None:
+    """Drops `model`'s traced train/test/predict functions so a layer change takes effect."""
+    for attr in ("train_function", "test_function", "predict_function"):
+        if getattr(model, attr, None) is not None:
+            setattr(model, attr, None)
