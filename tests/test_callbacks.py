@@ -16,7 +16,7 @@ def _model(kind="keras", **opt_kwargs):
     keras.utils.set_random_seed(0)
     cls = keras.Model if kind == "keras" else tfmixprec.MixedPrecisionModel
     inputs = keras.Input((3,))
-    outputs = keras.layers.Dense(2)(keras.layers.Dense(4)(inputs))
+    outputs = keras.layers.Dense(2, name="out")(keras.layers.Dense(4, name="hidden")(inputs))
     model = cls(inputs, outputs)
     opt_kwargs.setdefault("initial_scale", 2.0**15)
     model.compile(
@@ -75,8 +75,10 @@ def test_loss_scale_monitor_verbose_reports(capsys):
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines == [
-        "step 4: 2 overflows since last report, loss scale 32768 -> 8192",
-        "step 8: 1 overflow since last report, loss scale 8192 -> 4096",
+        "step 4: 2 overflows since last report, loss scale 32768 -> 8192; gradients not "
+        "finite in: hidden, out",
+        "step 8: 1 overflow since last report, loss scale 8192 -> 4096; gradients not "
+        "finite in: hidden, out",
     ]
     assert monitor.events == lines
 
@@ -221,7 +223,8 @@ def test_callbacks_under_mirrored_strategy(two_cpu_strategy, tmp_path, capsys):
     )
     assert history.history["overflow_steps"] == [1.0]
     assert capsys.readouterr().out.splitlines() == [
-        "step 2: 1 overflow since last report, loss scale 32768 -> 16384"
+        "step 2: 1 overflow since last report, loss scale 32768 -> 16384; gradients not "
+        "finite in: hidden, out"
     ]
     assert guard.stopped_step is None
     assert model.optimizer.read_state() == {
@@ -233,3 +236,20 @@ def test_callbacks_under_mirrored_strategy(two_cpu_strategy, tmp_path, capsys):
         "last_overflow_iteration": 1,
         "iterations": 7,
     }
+
+
+@pytest.mark.parametrize("kind", ["keras", "tfmixprec"])
+def test_monitor_epoch_logs_count_the_epochs_overflow_steps(kind):
+    model = _model(kind)
+    x, y = _data(bad_batches=(0,), batches=4)  # shuffle=False: batch 0 of every epoch
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[LossScaleMonitor()],
+    )
+    assert history.history["overflow"] == [1.0, 1.0, 1.0]
+    assert history.history["overflow_steps"] == [1.0, 2.0, 3.0]

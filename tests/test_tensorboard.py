@@ -86,9 +86,62 @@ def test_every_batch_values_in_event_files(tmp_path):
     assert _series(acc, "mixed_precision/overflow_steps") == list(
         zip(steps, [0.0, 0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
     )
-    # Keras's own summaries are still there.
+    assert _series(acc, "mixed_precision/log2_loss_scale") == list(
+        zip(steps, [15.0] * 2 + [14.0] * 3 + [13.0] * 3)
+    )
+    # Each layer's overflow total, written after the intervals with overflows: steps 3 and 6.
+    layer_tags = [t for t in acc.Tags()["tensors"] if "/layer_overflow_steps/" in t]
+    assert len(layer_tags) == 2  # the Inf input reaches both Dense layers' gradients
+    for tag in layer_tags:
+        assert _series(acc, tag) == [(3, 1.0), (6, 2.0)]
+    # Keras's own summaries are still there; the loss-scale values are not written twice.
     assert "epoch_loss" in acc.Tags()["tensors"]
     assert "batch_loss" in acc.Tags()["tensors"]
+    duplicates = [t for t in acc.Tags()["tensors"] if t.startswith(("batch_", "epoch_"))]
+    assert sorted(duplicates) == ["batch_loss", "epoch_learning_rate", "epoch_loss"]
+
+
+def _texts(acc, tag):
+    return [(e.step, tf.make_ndarray(e.tensor_proto).item().decode()) for e in acc.Tensors(tag)]
+
+
+def test_overflow_report_and_diagnosis_as_text(tmp_path):
+    model, board = _fit(tmp_path, update_freq=1)
+    x = np.ones((BATCH, 3), "float32")
+    x[0, 1] = np.inf
+    diagnosis = tfmixprec.explain_overflow(model, (x, np.ones((BATCH, 2), "float32")))
+    board.write_diagnosis(diagnosis)
+    board.write_diagnosis(diagnosis, step=42)
+    acc = _events(tmp_path)
+    reports = _texts(acc, "mixed_precision/overflow_report")
+    assert [step for step, _ in reports] == [3, 6]
+    assert reports[1][1].startswith("**2 overflow steps**, last at step 5")
+    assert "| layer | overflow steps | last step | variables |" in reports[1][1]
+    texts = _texts(acc, "mixed_precision/diagnosis")
+    assert [step for step, _ in texts] == [8, 42]  # the last global batch, then as given
+    assert texts[0][1].startswith("**bad-data**: the batch's inputs hold 1 NaN/Inf values")
+    with pytest.raises(TypeError, match="diagnosis must be what tfmixprec.explain_overflow"):
+        board.write_diagnosis("bad-data")
+
+
+def test_no_duplicate_tags_with_mixed_precision_model(tmp_path):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    model = tfmixprec.MixedPrecisionModel(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer=LossScaleOptimizer("sgd"), loss="mse")
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 2), "float32")
+    board = tfmixprec.TensorBoard(str(tmp_path), update_freq=1)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[board])
+    tags = set(_events(tmp_path).Tags()["tensors"])
+    assert (
+        not {
+            f"{prefix}_{key}"
+            for prefix in ("batch", "epoch")
+            for key in ("loss_scale", "overflow", "overflow_steps", "skipped_fraction")
+        }
+        & tags
+    )
+    assert {"mixed_precision/loss_scale", "batch_loss", "epoch_loss"} <= tags
 
 
 def test_update_freq_is_respected(tmp_path):
@@ -114,7 +167,12 @@ def test_custom_scalars_layout_written(tmp_path):
     (category,) = layout.category
     assert category.title == "Mixed precision"
     titles = [chart.title for chart in category.chart]
-    assert titles[:3] == ["Loss (per batch)", "Loss scale", "Overflow events (skipped steps)"]
+    assert titles[:3] == [
+        "Loss (per batch)",
+        "Loss scale (log2)",
+        "Overflow events (skipped steps)",
+    ]
+    assert titles[5] == "Overflow steps per layer (total)"
 
 
 @pytest.mark.parametrize("monitor_in_fit", [False, True])
@@ -262,9 +320,24 @@ def test_live_tensorboard_http_api(tmp_path, tensorboard_server):
     port = tensorboard_server(tmp_path)
     tags = _get_json(port, "/data/plugin/scalars/tags")
     run = "run/train"
-    assert {"mixed_precision/loss_scale", "mixed_precision/overflow", "epoch_loss"} <= set(
-        tags[run]
+    assert {
+        "mixed_precision/loss_scale",
+        "mixed_precision/log2_loss_scale",
+        "mixed_precision/overflow",
+        "epoch_loss",
+    } <= set(tags[run])
+    assert "batch_loss_scale" not in tags[run]
+    layer_tags = [t for t in tags[run] if t.startswith("mixed_precision/layer_overflow_steps/")]
+    assert len(layer_tags) == 2
+    per_layer = _get_json(port, "/data/plugin/scalars/scalars", {"run": run, "tag": layer_tags[0]})
+    assert [(step, value) for _, step, value in per_layer] == [(3, 1.0), (6, 2.0)]
+    text_tags = _get_json(port, "/data/plugin/text/tags")
+    assert "mixed_precision/overflow_report" in text_tags[run]
+    texts = _get_json(
+        port, "/data/plugin/text/text", {"run": run, "tag": "mixed_precision/overflow_report"}
     )
+    assert [entry["step"] for entry in texts] == [3, 6]
+    assert "<table>" in texts[-1]["text"]  # the markdown table, rendered
     points = _get_json(
         port, "/data/plugin/scalars/scalars", {"run": run, "tag": "mixed_precision/overflow"}
     )

@@ -171,7 +171,7 @@ def test_multi_output_sample_weights_validation(compile_kwargs):
         validation_data=validation,
     )
     logs = history.history
-    assert logs["overflow"] == [0.0]  # last batch clean
+    assert logs["overflow"] == [1.0]  # the epoch's overflow steps (its first batch)
     assert int(model.optimizer.overflow_steps.numpy()) == 1
     assert int(model.optimizer.iterations.numpy()) == 1
     assert logs["loss_scale"] == [2.0**14]
@@ -524,3 +524,27 @@ def test_accumulation_keeps_gradients_missing_from_the_last_micro_batch(order):
     opt.apply([None, None], [a, b])  # nothing this micro-batch: the window still ends
     assert (float(a.numpy()[0]), float(b.numpy()[0])) == (-1.5, -2.0)
     assert int(opt.iterations.numpy()) == 2
+
+
+def test_epoch_logs_count_the_epochs_overflow_steps(tmp_path):
+    # Row 0 is Inf: with shuffle=False the first batch of every epoch overflows, once.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer=LossScaleOptimizer("sgd", initial_scale=8.0), loss="mse")
+    x = np.ones((32, 4), "float32")
+    x[0, 0] = np.inf
+    log_path = tmp_path / "log.csv"
+    history = model.fit(
+        x,
+        np.ones((32, 1), "float32"),
+        batch_size=8,
+        epochs=3,
+        verbose=0,
+        shuffle=False,
+        callbacks=[keras.callbacks.CSVLogger(str(log_path))],
+    )
+    assert history.history["overflow"] == [1.0, 1.0, 1.0]  # not the last batch's 0.0
+    assert history.history["overflow_steps"] == [1.0, 2.0, 3.0]
+    with open(log_path) as f:
+        assert [row["overflow"] for row in csv.DictReader(f)] == ["1.0"] * 3

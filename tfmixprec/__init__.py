@@ -6,9 +6,15 @@ from tfmixprec._version import __version__
 from tfmixprec.audit import AuditReport
 from tfmixprec.audit import Finding
 from tfmixprec.audit import LayerDtypes
+from tfmixprec.attribution import LayerOverflows
+from tfmixprec.attribution import OverflowReport
+from tfmixprec.attribution import overflow_report
 from tfmixprec.audit import audit
 from tfmixprec.callbacks import LossScaleMonitor
 from tfmixprec.callbacks import OverflowGuard
+from tfmixprec.diagnosis import LayerReplay
+from tfmixprec.diagnosis import OverflowDiagnosis
+from tfmixprec.diagnosis import explain_overflow
 from tfmixprec.doctor import DoctorReport
 from tfmixprec.doctor import doctor
 from tfmixprec.gradient_range import GradientRangeMonitor
@@ -42,13 +48,17 @@ __all__ = [
     "GradientRangeStats",
     "HardwareInfo",
     "LayerDtypes",
+    "LayerOverflows",
+    "LayerReplay",
     "LossScaleConfig",
     "LossScaleMonitor",
     "LossScaleOptimizer",
     "MixedPrecisionFunctional",
     "MixedPrecisionMixin",
     "MixedPrecisionModel",
+    "OverflowDiagnosis",
     "OverflowGuard",
+    "OverflowReport",
     "PolicyChange",
     "PolicyChoice",
     "TensorBoard",
@@ -60,9 +70,11 @@ __all__ = [
     "dashboard_layout",
     "detect_hardware",
     "doctor",
+    "explain_overflow",
     "float32_outputs",
     "gradient_range_stats",
     "make_train_step",
+    "overflow_report",
     "policy_scope",
     "set_policy",
     "testing",

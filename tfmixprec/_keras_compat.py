@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 # Why: Keras makes `Model(inputs, outputs)` functional by rewriting the class's bases in
 # place; `MixedPrecisionModel.__new__` routes functional use to its own subclass instead, so
@@ -88,18 +89,57 @@ def tensorboard_batch_work(callback: Any) -> bool:
 class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
     """Keras's `LossScaleOptimizer`, with its private hooks mapped onto named methods.
 
-    Why: Keras's `apply` (`_tf_apply`) does the finite check and the apply/skip `cond` itself,
-    in a cross-replica context under strategies that need `merge_call`; a `cond` in replica
-    context whose branch calls the inner optimizer is not allowed. So tfmixprec extends the
-    parent through its hooks instead of replacing `apply`. Subclasses implement
-    `apply_finite_step` and `skip_step`.
+    Why: Keras's `apply` (`_tf_apply`) does the finite check and the apply/skip `cond` in a
+    cross-replica context under strategies that need `merge_call`; a `cond` in replica context
+    whose branch calls the inner optimizer is not allowed. So tfmixprec keeps Keras's `apply`
+    and its structure, and maps its private parts onto named methods that subclasses
+    implement: `check_step` (the finite check, with per-variable flags), `apply_finite_step`
+    and `skip_step`. Keras 3.12 to 3.15 have the same `_tf_apply`.
     """
+
+    def check_step(self, grads: Sequence[Any], trainable_variables: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
 
     def apply_finite_step(self, grads: Sequence[Any], trainable_variables: Any) -> None:
         raise NotImplementedError
 
-    def skip_step(self) -> None:
+    def skip_step(self, nonfinite: Any = None) -> None:
         raise NotImplementedError
+
+    # Why: Keras's `_tf_apply` asks `check_finite(grads)` for one bool, so its skip branch
+    # cannot know which variables' gradients were not finite (the gradients' variables are
+    # not passed to `check_finite`). This keeps Keras's structure (a `merge_call` and the
+    # `cond` in cross-replica context where the strategy needs it) with `check_step`, which
+    # also returns the per-variable flags, and hands them to the skip branch.
+    def _tf_apply(self, grads: Sequence[Any], trainable_variables: Any = None) -> None:
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context.")
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            finite, nonfinite = self.check_step(grads, trainable_variables)
+            tf.cond(
+                finite,
+                lambda: self.apply_finite_step(grads, trainable_variables),
+                lambda: self.skip_step(nonfinite),
+            )
+            return
+
+        def in_cross_replica(distribution: Any, grads: Any, variables: Any) -> None:
+            checked = distribution.extended.call_for_each_replica(
+                self.check_step, args=(grads, variables)
+            )
+            # Every replica computed the same values (the flags are all-reduced).
+            finite, nonfinite = (distribution.experimental_local_results(v)[0] for v in checked)
+
+            def apply_fn() -> None:
+                distribution.extended.call_for_each_replica(
+                    self.apply_finite_step, args=(grads, variables)
+                )
+
+            tf.cond(finite, apply_fn, lambda: self.skip_step(nonfinite))
+
+        tf.distribute.get_replica_context().merge_call(
+            in_cross_replica, args=(grads, trainable_variables)
+        )
 
     # Keras's hooks (called from `LossScaleOptimizer._common_apply` / `_tf_apply`).
     def _stateful_handle_finite_grads(self, grads: Sequence[Any], trainable_variables: Any) -> None:

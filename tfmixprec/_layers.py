@@ -1,4 +1,5 @@
-"""Walking a model's layer graph: all layers, output layers, and the checks that come first.
+"""Walking a model's layer graph: all layers, output layers, watching calls, the compiled loss,
+and the checks that come first.
 
 Private: used by `policy` and `audit` (and by `training` and `cpu_float16` to walk a model's
 layers). The Keras internals it needs (the layer walk, a tensor's producing layer, a subclassed
@@ -7,10 +8,13 @@ model's build shapes) live in `_keras_compat`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfmixprec._keras_compat import all_sublayers, build_shapes, producing_layer
 
@@ -93,8 +97,7 @@ def output_layers(model: keras.Model) -> list[Any]:
 def _probe_output_layers(model: keras.Model) -> list[Any]:
     """Calls a subclassed `model` once on zeros and returns the leaf layers that made its outputs.
 
-    Each leaf's `call` is replaced by a watcher for the call and restored after it: back to the
-    class method, or to an instance `call` another part had set (e.g. `cpu_float16`'s).
+    The leaves' calls are watched with `watch_leaf_calls`.
     """
     shapes = build_shapes(model)
     if not shapes or len(shapes) != 1:
@@ -105,31 +108,83 @@ def _probe_output_layers(model: keras.Model) -> list[Any]:
         )
     shape = [1 if dim is None else dim for dim in next(iter(shapes.values()))]
     produced: dict[int, tuple[Any, Any]] = {}  # id -> (layer, tensor kept alive)
-    leaves = [layer for layer in iter_layers(model) if not is_container(layer)]
-    own_calls = {id(layer): vars(layer).get("call") for layer in leaves}  # e.g. cpu_float16's
-    for layer in leaves:
 
-        def watched(*args, __layer=layer, __call=layer.call, **kwargs):
-            result = __call(*args, **kwargs)
-            for tensor in keras.tree.flatten(result):
-                produced[id(tensor)] = (__layer, tensor)
-            return result
+    def record(layer: Any, args: tuple, result: Any) -> None:
+        for tensor in keras.tree.flatten(result):
+            produced[id(tensor)] = (layer, tensor)
 
-        layer.call = watched
-    try:
+    with watch_leaf_calls(model, record):
         result = model(np.zeros(shape, "float32"), training=False)
-    finally:
-        for layer in leaves:
-            if own_calls[id(layer)] is None:
-                del layer.call  # back to the class method
-            else:
-                layer.call = own_calls[id(layer)]
     layers = []
     for tensor in keras.tree.flatten(result):
         layer, _ = produced.get(id(tensor), (None, None))
         if layer is not None:
             layers.append(layer)
     return layers
+
+
+@contextlib.contextmanager
+def watch_leaf_calls(
+    model: keras.Model, record: Callable[[Any, tuple, Any], None]
+) -> Iterator[None]:
+    """Within the block, every call of a leaf layer of `model` calls `record(layer, args,
+    result)` after it (in the order the calls end: inner layers before the layer around them).
+
+    Each leaf's `call` is replaced by a watcher and restored after the block: back to the
+    class method, or to an instance `call` another part had set (e.g. `cpu_float16`'s).
+    """
+    leaves = [layer for layer in iter_layers(model) if not is_container(layer)]
+    own_calls = {id(layer): vars(layer).get("call") for layer in leaves}
+    for layer in leaves:
+
+        def watched(*args, __layer=layer, __call=layer.call, **kwargs):
+            result = __call(*args, **kwargs)
+            record(__layer, args, result)
+            return result
+
+        layer.call = watched
+    try:
+        yield
+    finally:
+        for layer in leaves:
+            if own_calls[id(layer)] is None:
+                del layer.call  # back to the class method
+            else:
+                layer.call = own_calls[id(layer)]
+
+
+def compiled_loss(model: Any, who: str) -> Callable[..., Any]:
+    """The model's compiled loss as a callable `(y_true, y_pred[, sample_weight])`.
+
+    Raises:
+        ValueError: If the model was compiled without one single loss (`who` names the caller).
+    """
+    loss = getattr(model, "loss", None)
+    if isinstance(loss, (str, keras.losses.Loss)) or callable(loss):
+        return keras.losses.get(loss) if isinstance(loss, str) else loss
+    if loss is None:
+        raise ValueError(
+            f"{who} needs a loss, but model {model.name!r} is not compiled with one. Compile "
+            "it with a loss, or pass loss_fn=... ."
+        )
+    raise ValueError(
+        f"{who} needs a loss: the model's compiled loss {loss!r} is not a single loss. "
+        "Pass loss_fn=... ."
+    )
+
+
+def loss_value(loss_fn: Callable[..., Any], y: Any, y_pred: Any, sample_weight: Any) -> Any:
+    """The scalar float32 loss, as Keras reduces it ("sum_over_batch_size"): a
+    `keras.losses.Loss` weighs the samples itself; a plain function (`"mse"` gives one) returns
+    per-sample losses, weighted here."""
+    if isinstance(loss_fn, keras.losses.Loss) and sample_weight is not None:
+        return tf.cast(loss_fn(y, y_pred, sample_weight), tf.float32)
+    values = tf.cast(loss_fn(y, y_pred), tf.float32)
+    if sample_weight is None:
+        return tf.reduce_mean(values)
+    weights = tf.cast(tf.convert_to_tensor(sample_weight), tf.float32)
+    weighted = values * tf.reshape(weights, tf.shape(values)) if values.shape.rank else values
+    return tf.reduce_sum(weighted) / tf.cast(tf.size(values), tf.float32)
 
 
 def forget_traced_functions(model: keras.Model) -> None:

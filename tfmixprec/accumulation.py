@@ -2,8 +2,9 @@
 
 The window's unscaled gradients are summed in float32 variables; when the window is full their
 mean goes through the optimizer's one finite check and is applied (or skipped) once. A
-micro-batch with an Inf/NaN spoils the whole window: it reaches the finite check as a NaN, so
-the window is skipped and the scale backs off once.
+micro-batch with an Inf/NaN spoils the whole window: the mean of each variable whose gradient
+was not finite in the window reaches the finite check as a NaN, so the window is skipped, the
+scale backs off once, and the overflow is attributed to those variables.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class GradientAccumulator(tf.Module):
         super().__init__(name="gradient_accumulator")
         self.steps = steps
         self.micro_step = add_variable("micro_step", (), "int", 0)
-        self.window_finite = add_variable("window_finite", (), "int", 1)
+        self.window_nonfinite = add_variable("window_nonfinite", (len(var_list),), "int", 0)
         self.sums = [
             add_variable("accumulated_gradient", tuple(v.shape), _sum_dtype(v.dtype), 0.0)
             for v in var_list
@@ -49,7 +50,7 @@ class GradientAccumulator(tf.Module):
         self,
         grads: Sequence[Any],
         indices: Sequence[int],
-        finite: tf.Tensor,
+        nonfinite: tf.Tensor,
         apply_window: Callable[[list[Any]], None],
     ) -> None:
         """Adds one micro-batch; at the end of the window, applies the mean and starts over.
@@ -60,11 +61,13 @@ class GradientAccumulator(tf.Module):
         Args:
             grads: Unscaled gradients (`None` for a variable without one this micro-batch).
             indices: The position of each gradient's variable (as in `build`'s `var_list`).
-            finite: Scalar bool. Whether this micro-batch's gradients are finite (everywhere).
+            nonfinite: Int vector, one entry a variable (in `build`'s order): 1 where this
+                micro-batch's gradient was not finite (the optimizer's `check_step`).
             apply_window: Called with the window's mean gradient of every variable, in the
                 order of `build`'s `var_list`, at the end of the window.
         """
         self._check_call(indices)
+        finite = tf.equal(tf.reduce_max(nonfinite), 0)
         for index, grad in zip(indices, grads):
             if grad is None:
                 continue
@@ -75,7 +78,8 @@ class GradientAccumulator(tf.Module):
                 total.value.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
             else:
                 total.assign_add(values)
-        self.window_finite.assign(tf.where(finite, self.window_finite.value, 0))
+        window = self.window_nonfinite.value
+        self.window_nonfinite.assign(tf.maximum(window, tf.cast(nonfinite, window.dtype)))
         self.micro_step.assign_add(1)
         keras.ops.cond(
             self.micro_step.value >= self.steps,
@@ -99,13 +103,16 @@ class GradientAccumulator(tf.Module):
             )
 
     def _end_window(self, apply_window: Callable[[list[Any]], None]) -> None:
-        means = [total.value / tf.cast(self.steps, total.dtype) for total in self.sums]
-        if means:
-            # A spoiled window reaches the one finite check as a NaN: skipped, backed off once.
-            ok = tf.equal(self.window_finite.value, 1)
-            means[0] = tf.where(ok, means[0], tf.constant(float("nan"), means[0].dtype))
+        window = self.window_nonfinite.value
+        # A variable whose gradient was not finite in the window reaches the one finite check
+        # as a NaN mean: the window is skipped, backs off once, and is attributed to it.
+        nan = float("nan")
+        means = [
+            tf.where(window[i] > 0, tf.constant(nan, total.dtype), total.value / self.steps)
+            for i, total in enumerate(self.sums)
+        ]
         apply_window(means)
         for total in self.sums:
             total.assign(tf.zeros_like(total.value))
         self.micro_step.assign(0)
-        self.window_finite.assign(1)
+        self.window_nonfinite.assign(tf.zeros_like(window))

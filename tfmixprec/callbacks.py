@@ -14,7 +14,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._validate import check_int_at_least_one
-from tfmixprec.loss_scale import LOG_KEYS
+from tfmixprec.attribution import overflow_report
+from tfmixprec.loss_scale import LOG_KEYS, format_scale
 from tfmixprec.optimizer import LossScaleOptimizer
 
 __all__ = ["LossScaleMonitor", "OverflowGuard"]
@@ -33,9 +34,44 @@ def _loss_scale_optimizer_of(model: Any, who: str) -> LossScaleOptimizer:
     return optimizer
 
 
-def _format_scale(scale: float) -> str:
-    """32768.0 -> '32768'; 0.25 -> '0.25' (no exponent notation for whole scales)."""
-    return str(int(scale)) if scale >= 1 and float(scale).is_integer() else f"{scale:g}"
+class _EpochOverflows:
+    """The number of overflow steps in the current epoch: the optimizer's total at epoch end
+    less its total at epoch begin (one host read at each)."""
+
+    def __init__(self) -> None:
+        self._start = 0
+
+    def begin(self, opt: LossScaleOptimizer) -> None:
+        self._start = opt.read_state()["overflow_steps"]
+
+    def count(self, opt: LossScaleOptimizer) -> float:
+        return float(opt.read_state()["overflow_steps"] - self._start)
+
+
+class _FitWatch(keras.callbacks.Callback):
+    """Added first to `MixedPrecisionModel.fit`'s callbacks: puts the epoch's number of overflow
+    steps in the epoch logs as `overflow` (so History, CSVLogger and the progress bar show it),
+    and reports a `min_scale` overflow (`on_min_scale`) every `update_freq` batches and at
+    epoch end, so `"raise"` stops `fit` promptly. One scalar read per check."""
+
+    def __init__(self, update_freq: int = 50) -> None:
+        super().__init__()
+        self.update_freq = update_freq
+        self._batches = 0
+        self._epoch = _EpochOverflows()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch.begin(self.model.optimizer)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._batches += 1
+        if self._batches % self.update_freq == 0:
+            self.model.optimizer.check_min_scale()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs is not None:
+            logs["overflow"] = self._epoch.count(self.model.optimizer)
+        self.model.optimizer.check_min_scale()
 
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
@@ -43,15 +79,17 @@ class LossScaleMonitor(keras.callbacks.Callback):
     """Adds `loss_scale`, `overflow`, `overflow_steps` and `skipped_fraction` to the logs.
 
     At every batch end the values are added as tensors read from the optimizer (no host
-    sync); at epoch end as Python floats (the values after the epoch's last step). With
+    sync); at epoch end as Python floats (the values after the epoch's last step, and as
+    `overflow` the epoch's number of overflow steps). With
     `verbose=1`, every `update_freq` batches it prints one line when there were overflows
-    since the last report, e.g.
-    `step 1200: 3 overflows since last report, loss scale 32768 -> 4096`.
+    since the last report, naming the layers whose gradients were not finite at the last one
+    (`tfmixprec.overflow_report`), e.g. `step 1200: 3 overflows since last report, loss scale
+    32768 -> 4096; gradients not finite in: attention`.
 
     The values: `loss_scale`, the current scale; `overflow`, the number of overflow (skipped)
-    steps in the span the value covers (one step in batch logs, so 0 or 1; the write interval
-    in TensorBoard); `overflow_steps`, the total since the optimizer was created;
-    `skipped_fraction`, `overflow_steps` over all steps.
+    steps in the span the value covers (one step in batch logs, so 0 or 1; the epoch in epoch
+    logs; the write interval in TensorBoard); `overflow_steps`, the total since the optimizer
+    was created; `skipped_fraction`, `overflow_steps` over all steps.
 
     Args:
         verbose: Int. 0 (silent) or 1 (print overflow events).
@@ -76,6 +114,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._reported = (0, None)
         self._snapshot: Any = None
         self._snapshot_of: Any = None
+        self._epoch = _EpochOverflows()
 
     def get_config(self) -> dict[str, Any]:
         return {"verbose": self.verbose, "update_freq": self.update_freq}
@@ -109,10 +148,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if self._step % self.update_freq == 0:
             self._report(opt)
 
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch.begin(_loss_scale_optimizer_of(self.model, "LossScaleMonitor"))
+
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
         opt = _loss_scale_optimizer_of(self.model, "LossScaleMonitor")
         logs.update({k: float(v.numpy()) for k, v in self._values(opt).items()})
+        logs["overflow"] = self._epoch.count(opt)
         self._report(opt)
 
     def _report(self, opt: LossScaleOptimizer) -> None:
@@ -120,10 +163,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
         overflows, scale = state["overflow_steps"], state["loss_scale"]
         before_overflows, before_scale = self._reported
         if overflows > before_overflows:
+            layers = overflow_report(self.model).last_overflow_layers
             line = (
                 f"step {self._step}: {overflows - before_overflows} overflow"
                 f"{'s' if overflows - before_overflows != 1 else ''} since last report, "
-                f"loss scale {_format_scale(before_scale)} -> {_format_scale(scale)}"
+                f"loss scale {format_scale(before_scale)} -> {format_scale(scale)}"
+                + (f"; gradients not finite in: {', '.join(layers)}" if layers else "")
             )
             self.events.append(line)
             if self.verbose:

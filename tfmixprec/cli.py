@@ -184,7 +184,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _print_demo_summary(
     policy: str, accuracy: float, n_test: int, optimizer: Any, seconds: float, logdir: str
 ) -> None:
-    from tfmixprec.callbacks import _format_scale
+    from tfmixprec.loss_scale import format_scale
 
     state = optimizer.read_state()
     steps = state["overflow_steps"] + state["iterations"]
@@ -193,7 +193,7 @@ def _print_demo_summary(
     print(f"  policy          {policy}")
     print(f"  test accuracy   {accuracy:.4f} ({n_test} held-out digits images)")
     kind = "dynamic" if optimizer.dynamic else "fixed"
-    print(f"  loss scale      {_format_scale(state['loss_scale'])} ({kind})")
+    print(f"  loss scale      {format_scale(state['loss_scale'])} ({kind})")
     print(f"  overflow steps  {state['overflow_steps']} of {steps}")
     print(f"  training time   {seconds:.1f} s")
     print(f"  TensorBoard     tensorboard --logdir {logdir}")

@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmixprec._layers import compiled_loss, loss_value
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.loss_scale import divide, multiply
 from tfmixprec.optimizer import LossScaleOptimizer
@@ -117,17 +118,6 @@ def gradient_range_stats(grads: Sequence[Any]) -> GradientRangeStats:
         min_abs_nonzero=float(nonzero.min()) if nonzero.size else 0.0,
         max_abs=float(values[finite].max()) if finite.any() else math.inf,
         log2_abs=log2_abs,
-    )
-
-
-def _compiled_loss(model: Any) -> Callable[..., Any]:
-    """The model's compiled loss as a callable `(y_true, y_pred[, sample_weight])`."""
-    loss = getattr(model, "loss", None)
-    if isinstance(loss, (str, keras.losses.Loss)) or callable(loss):
-        return keras.losses.get(loss) if isinstance(loss, str) else loss
-    raise ValueError(
-        "GradientRangeMonitor needs a loss: the model's compiled loss "
-        f"{loss!r} is not a single loss. Pass loss_fn=... ."
     )
 
 
@@ -254,7 +244,11 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         self._driver = callback
 
     def _build(self) -> None:
-        self._loss = self.loss_fn if self.loss_fn is not None else _compiled_loss(self.model)
+        self._loss = (
+            self.loss_fn
+            if self.loss_fn is not None
+            else compiled_loss(self.model, "GradientRangeMonitor")
+        )
         self._probe = _activation_probe(self.model, self.layers) if self.layers else None
         self._compute = tf.function(self._gradients)
 
@@ -277,9 +271,7 @@ class GradientRangeMonitor(keras.callbacks.Callback):
                 if tensor.dtype.is_floating:
                     tape.watch(tensor)
             activations, y_pred = self._forward(x)
-            weights = () if sample_weight is None else (sample_weight,)
-            loss = self._loss(y, y_pred, *weights)
-            scaled = multiply(tf.cast(loss, tf.float32), scale)
+            scaled = multiply(loss_value(self._loss, y, y_pred, sample_weight), scale)
         grads = tape.gradient(scaled, [self.model.trainable_variables, activations])
         # Cast before dividing: everything is measured in float32 (a float16 activation
         # gradient divided back into float16 would flush the very values this counts).

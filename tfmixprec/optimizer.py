@@ -18,7 +18,8 @@ import tensorflow as tf
 from tfmixprec._keras_compat import KerasLossScaleHooks, no_automatic_dependency_tracking
 from tfmixprec._validate import check_int_at_least_one, is_number
 from tfmixprec.accumulation import GradientAccumulator
-from tfmixprec.loss_scale import LossScale, LossScaleConfig
+from tfmixprec.attribution import OverflowReport, build_report
+from tfmixprec.loss_scale import LossScale, LossScaleConfig, all_finite, check
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -195,6 +196,29 @@ class _LossScaleReadout:
         state = {name: getattr(self, name).numpy().item() for name in STATE_NAMES}
         return {**state, "loss_scale": float(state["loss_scale"])}
 
+    # ------------------------------------------------------------ overflow attribution
+    def overflow_sources(self) -> tuple[list[Any], list[int], list[int]]:
+        """Per variable (in the optimizer's order), the overflow steps its gradient was not
+        finite in and the last one (-1: never): host reads, for `overflow_report`."""
+        if self._loss_scale.nonfinite_steps is None:  # not built yet
+            return [], [], []
+        counts = self._loss_scale.nonfinite_steps.numpy().tolist()
+        last_steps = self._loss_scale.last_nonfinite_step.numpy().tolist()
+        return self.tracked_variables(), counts, last_steps
+
+    def overflow_scale(self) -> float:
+        """The scale the last step used if it overflowed (before the backoff), else the
+        current scale: the scale to replay a bad batch at (`tfmixprec.explain_overflow`)."""
+        last = float(self._loss_scale.last_overflow_scale.numpy())
+        if int(self.consecutive_overflows.numpy()) > 0 and last > 0:  # 0: not recorded
+            return last
+        return float(self.loss_scale.numpy())
+
+    def overflow_report(self) -> OverflowReport:
+        """Per layer (named by its variables' paths), the overflow steps its gradients took
+        part in; see `tfmixprec.overflow_report(model)` for the model's layer names."""
+        return build_report(*self.overflow_sources(), self.read_state())
+
     # ------------------------------------------------------------ reporting
     def check_min_scale(self) -> None:
         """Warns or raises (per `on_min_scale`) if a step overflowed at `min_scale`.
@@ -222,6 +246,19 @@ class _LossScaleReadout:
         self.check_min_scale()
 
     # ------------------------------------------------------------ serialization
+    def load_own_variables(self, store: Any) -> None:
+        """Loads the variables of a `.keras` file. A file written before the overflow
+        attribution existed (tfmixprec 0.1: three fewer variables) loads too; the attribution
+        then starts empty."""
+        added = self._loss_scale.attribution_variables()
+        if added and len(store.keys()) == len(self.variables) - len(added):
+            skipped = {id(variable) for variable in added}
+            older = [v for v in self.variables if id(v) not in skipped]
+            for i, variable in enumerate(older):
+                variable.assign(store[str(i)])
+            return
+        super().load_own_variables(store)
+
     def get_config(self) -> dict[str, Any]:
         """Every knob (Keras's key `dynamic_growth_steps` for the interval) and the inner
         optimizer, serialized."""
@@ -308,7 +345,8 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         self.accumulation_steps = accumulation_steps
         self._min_scale_reported = False  # host-side: one report per optimizer
         self._loss_scale = LossScale(
-            config, lambda name, dtype, value: self._state_variable(name, (), dtype, value)
+            config,
+            lambda name, dtype, value, shape=(): self._state_variable(name, shape, dtype, value),
         )
         self._accumulator: GradientAccumulator | None = None  # made by `build`
 
@@ -329,6 +367,8 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         Args:
             var_list: List of variables. The model's trainable variables.
         """
+        if self.built:  # once, as Keras's optimizers
+            return
         self._loss_scale.build(len(var_list))
         if self.accumulation_steps > 1:
             self._accumulator = GradientAccumulator(
@@ -404,7 +444,8 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         if self._accumulator is None:
             super().apply(grads, trainable_variables)
         else:
-            self._accumulator.add(grads, indices, self.check_finite(grads), self._apply_window)
+            _, nonfinite = self.check_step(grads, variables)
+            self._accumulator.add(grads, indices, nonfinite, self._apply_window)
         if tf.executing_eagerly() and not tf.distribute.has_strategy():
             self.check_min_scale()
 
@@ -415,16 +456,28 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
 
     def check_finite(self, grads: Sequence[Any]) -> tf.Tensor:
         """Returns a scalar bool: True if every gradient is finite on every replica."""
-        return self._loss_scale.all_finite(grads)
+        return all_finite(grads)
+
+    def check_step(
+        self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        """The step's finite check: `(finite, nonfinite)`, `nonfinite` an int32 vector with 1
+        for each of the optimizer's variables whose gradient held an Inf or NaN on any replica
+        (see `tfmixprec.loss_scale.check`). `apply` calls it once per step."""
+        tracked = self.tracked_variables()
+        variables = tracked if trainable_variables is None else list(trainable_variables)
+        indices = [self.variable_index(v) for v in variables]
+        return check(grads, indices, len(tracked))
 
     def apply_finite_step(self, grads: Sequence[Any], trainable_variables: Any) -> None:
         """Applies already unscaled gradients through the inner optimizer; counts a clean step."""
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
         self._loss_scale.adjust(True, self.iterations)
 
-    def skip_step(self) -> None:
-        """Leaves weights and slots alone; counts the overflow and backs the scale off."""
-        self._loss_scale.adjust(False, self.iterations)
+    def skip_step(self, nonfinite: Any = None) -> None:
+        """Leaves weights and slots alone; counts the overflow (and, given `nonfinite` from
+        `check_step`, which variables' gradients were not finite) and backs the scale off."""
+        self._loss_scale.adjust(False, self.iterations, nonfinite)
 
     @classmethod
     def from_config(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,19 +14,26 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
 from tfmixprec._keras_compat import tensorboard_batch_work, tensorboard_step, tensorboard_writer
+from tfmixprec.attribution import overflow_report
 from tfmixprec.callbacks import _loss_scale_optimizer_of
+from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.gradient_range import GradientRangeMonitor
+from tfmixprec.loss_scale import LOG_KEYS
 
 __all__ = ["TensorBoard", "dashboard_layout"]  # what the package exports
 
 PREFIX = "mixed_precision"
 TAGS = {
     "loss_scale": f"{PREFIX}/loss_scale",
+    "log2_loss_scale": f"{PREFIX}/log2_loss_scale",
     "overflow": f"{PREFIX}/overflow",
     "overflow_steps": f"{PREFIX}/overflow_steps",
     "grad_underflow_fraction": f"{PREFIX}/grad_underflow_fraction",
     "grad_subnormal_fraction": f"{PREFIX}/grad_subnormal_fraction",
     "grad_log2_abs": f"{PREFIX}/grad_log2_abs",
+    "layer_overflow_steps": f"{PREFIX}/layer_overflow_steps",  # + "/<layer>"
+    "overflow_report": f"{PREFIX}/overflow_report",  # text
+    "diagnosis": f"{PREFIX}/diagnosis",  # text
 }
 LAYOUT_TITLE = "Mixed precision"
 
@@ -47,10 +56,14 @@ def dashboard_layout() -> layout_pb2.Layout:
                 title=LAYOUT_TITLE,
                 chart=[
                     chart("Loss (per batch)", r"^batch_loss$"),
-                    chart("Loss scale", rf"^{TAGS['loss_scale']}$"),
+                    chart("Loss scale (log2)", rf"^{TAGS['log2_loss_scale']}$"),
                     chart("Overflow events (skipped steps)", rf"^{TAGS['overflow']}$"),
                     chart("Loss (per epoch)", r"^epoch_loss$"),
                     chart("Overflow steps (total)", rf"^{TAGS['overflow_steps']}$"),
+                    chart(
+                        "Overflow steps per layer (total)",
+                        rf"^{TAGS['layer_overflow_steps']}/",
+                    ),
                     chart(
                         "Gradients below float16's range",
                         rf"^{PREFIX}/grad_(underflow|subnormal)_fraction$",
@@ -71,14 +84,25 @@ def _profile_batch_value(profile_batch: int | str | Sequence[int]) -> int | list
     return profile_batch
 
 
+def _without_loss_scale(logs: dict | None) -> dict | None:
+    """The logs for Keras's own writer: without the loss-scale values, which this callback
+    writes under `mixed_precision/` (else each would appear twice, e.g. `batch_loss_scale`)."""
+    if logs is None:
+        return None
+    return {key: value for key, value in logs.items() if key not in LOG_KEYS}
+
+
 @keras.saving.register_keras_serializable(package="tfmixprec")
 class TensorBoard(keras.callbacks.TensorBoard):
     """`keras.callbacks.TensorBoard` plus loss-scale and overflow summaries.
 
-    Everything Keras's callback writes is still written. In addition, at each write (every
-    `update_freq` batches, or at epoch end with `update_freq="epoch"`), it writes
-    `mixed_precision/loss_scale`, `mixed_precision/overflow`, `mixed_precision/overflow_steps`
-    (total) and, with a `GradientRangeMonitor`, `mixed_precision/grad_underflow_fraction`,
+    Everything Keras's callback writes is still written, except the loss-scale values of the
+    logs (`loss_scale`, `overflow`, ...), which are written once, here, under
+    `mixed_precision/`. At each write (every `update_freq` batches, or at epoch end with
+    `update_freq="epoch"`), it writes `mixed_precision/loss_scale`, `log2_loss_scale`,
+    `overflow`, `overflow_steps` (total), after a write interval with overflows
+    `layer_overflow_steps/<layer>` (each layer's total from `tfmixprec.overflow_report`) and,
+    with a `GradientRangeMonitor`, `mixed_precision/grad_underflow_fraction`,
     `grad_subnormal_fraction` and a log2|g| histogram. `overflow` has the meaning it has in
     the logs: the number of overflow (skipped) steps in the span the value covers (one step in
     batch logs, so 0 or 1; the write interval here, so 0 or 1 at each step with
@@ -136,6 +160,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
             gradient_monitor.drive_from(self)
         self._last_overflow_total = 0
         self._grad_measured_at: int | None = None
+        self._epoch = 0
 
     def get_config(self) -> dict[str, Any]:
         """Every argument of `keras.callbacks.TensorBoard`, as this callback holds it.
@@ -179,7 +204,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if tensorboard_batch_work(self):
-            super().on_train_batch_end(batch, logs)
+            super().on_train_batch_end(batch, _without_loss_scale(logs))
         # else: with update_freq="epoch", Keras's callback would only issue per-batch
         # summaries that its writer discards (about 0.1 ms each, every batch): skipped.
         measured = False
@@ -190,8 +215,12 @@ class TensorBoard(keras.callbacks.TensorBoard):
         elif measured and self.update_freq != "epoch":
             self._write_gradients(tensorboard_step(self))
 
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        super().on_epoch_begin(epoch, logs)
+        self._epoch = epoch
+
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        super().on_epoch_end(epoch, logs)
+        super().on_epoch_end(epoch, _without_loss_scale(logs))
         if self.update_freq == "epoch":
             self._write(epoch)
 
@@ -201,10 +230,48 @@ class TensorBoard(keras.callbacks.TensorBoard):
         total = state["overflow_steps"]
         with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
             tf.summary.scalar(TAGS["loss_scale"], state["loss_scale"], step=step)
+            tf.summary.scalar(TAGS["log2_loss_scale"], math.log2(state["loss_scale"]), step=step)
             tf.summary.scalar(TAGS["overflow"], float(total - self._last_overflow_total), step=step)
             tf.summary.scalar(TAGS["overflow_steps"], float(total), step=step)
+            if total > self._last_overflow_total:  # the per-layer counts changed
+                report = overflow_report(self.model)
+                for row in report.layers:
+                    tag = f"{TAGS['layer_overflow_steps']}/{row.layer}"
+                    tf.summary.scalar(tag, float(row.overflow_steps), step=step)
+                tf.summary.text(TAGS["overflow_report"], report.to_markdown(), step=step)
         self._last_overflow_total = total
         self._write_gradients(step)
+
+    def write_diagnosis(self, diagnosis: OverflowDiagnosis, step: int | None = None) -> None:
+        """Writes an `explain_overflow` result as a text summary (its markdown table) under
+        `mixed_precision/diagnosis`, so TensorBoard's Text tab shows it at its step.
+
+        Args:
+            diagnosis: `OverflowDiagnosis`. What `tfmixprec.explain_overflow` returned.
+            step: Int or None. The step to show it at; None: the global batch the callback
+                is at (the epoch with `update_freq="epoch"`).
+
+        Raises:
+            TypeError: If `diagnosis` is not an `OverflowDiagnosis`.
+        """
+        if not isinstance(diagnosis, OverflowDiagnosis):
+            raise TypeError(
+                "diagnosis must be what tfmixprec.explain_overflow returned (an "
+                f"OverflowDiagnosis). Received: diagnosis of type {type(diagnosis).__name__}"
+            )
+        if step is None:
+            step = self._current_step()
+        # Its own writer into the run's train directory: Keras closes its writers when
+        # training ends, and a diagnosis usually comes after an overflow, often after `fit`.
+        writer = tf.summary.create_file_writer(os.path.join(self.log_dir, "train"))
+        with writer.as_default(), tf.summary.record_if(True):
+            tf.summary.text(TAGS["diagnosis"], diagnosis.to_markdown(), step=step)
+        writer.close()
+
+    def _current_step(self) -> int:
+        if self.update_freq == "epoch":
+            return self._epoch
+        return tensorboard_step(self)
 
     def _write_gradients(self, step: int) -> None:
         monitor = self.gradient_monitor

@@ -19,6 +19,7 @@ from keras import ops
 from tfmixprec import cpu_float16
 from tfmixprec._keras_compat import Functional, functional_init_arguments
 from tfmixprec._layers import iter_layers
+from tfmixprec.callbacks import _FitWatch
 from tfmixprec.optimizer import LossScaleOptimizer
 
 __all__ = [
@@ -112,22 +113,18 @@ def _with_accumulation(optimizer: LossScaleOptimizer, steps: int) -> LossScaleOp
     return optimizer
 
 
-class _MinScaleWatch(keras.callbacks.Callback):
-    """Reports a `min_scale` overflow (`on_min_scale`) every `update_freq` batches and at epoch
-    end, so `"raise"` stops `fit` promptly instead of at its end. One scalar read per check."""
-
-    def __init__(self, update_freq: int = 50) -> None:
-        super().__init__()
-        self.update_freq = update_freq
-        self._batches = 0
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._batches += 1
-        if self._batches % self.update_freq == 0:
-            self.model.optimizer.check_min_scale()
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self.model.optimizer.check_min_scale()
+def _with_fit_watch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`fit`'s arguments with a `_FitWatch` first among the callbacks (positional or not), so
+    that every other callback, History and the progress bar see the epoch's overflow count. A
+    `keras.callbacks.CallbackList` the caller built is used as it is."""
+    positional = len(args) > 5  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
+    callbacks = args[5] if positional else kwargs.get("callbacks")
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return args, kwargs
+    callbacks = [_FitWatch(), *(callbacks or [])]
+    if positional:
+        return (*args[:5], callbacks, *args[6:]), kwargs
+    return args, {**kwargs, "callbacks": callbacks}
 
 
 class MixedPrecisionMixin:
@@ -168,14 +165,11 @@ class MixedPrecisionMixin:
         super().compile(optimizer, *args, **kwargs)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
-        """`keras.Model.fit`, plus a check of `on_min_scale` every 50 batches."""
-        optimizer = getattr(self, "optimizer", None)
-        if (
-            isinstance(optimizer, LossScaleOptimizer)
-            and optimizer.on_min_scale != "ignore"
-            and len(args) < 6  # callbacks not given positionally
-        ):
-            kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [_MinScaleWatch()]
+        """`keras.Model.fit`, plus (see `tfmixprec.callbacks._FitWatch`) the epoch's number of
+        overflow steps as `overflow` in the epoch logs and a check of `on_min_scale` every 50
+        batches."""
+        if isinstance(getattr(self, "optimizer", None), LossScaleOptimizer):
+            args, kwargs = _with_fit_watch(args, kwargs)
         return super().fit(*args, **kwargs)
 
     def compile_from_config(self, config: dict[str, Any]) -> None:

@@ -1,0 +1,234 @@
+"""explain_overflow: each cause on a model built to show it, and the replay changes nothing."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+import tfmixprec
+
+
+def _model(kernel=0.1, policy="mixed_float16", scale=2.0**15):
+    with tfmixprec.policy_scope(policy):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(
+            16, name="big", kernel_initializer=keras.initializers.Constant(kernel)
+        )(inputs)
+        constant = keras.initializers.Constant(0.5)
+        outputs = keras.layers.Dense(1, name="out", dtype="float32", kernel_initializer=constant)(
+            hidden
+        )
+        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+        optimizer = tfmixprec.LossScaleOptimizer("adam", initial_scale=scale)
+        model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def _batch(x_value=1.0, n=4):
+    return np.full((n, 8), x_value, "float32"), np.ones((n, 1), "float32")
+
+
+def _state(model):
+    model.optimizer.build(model.trainable_variables)
+    values = [v.numpy().copy() for v in model.weights + list(model.optimizer.variables)]
+    policies = [layer.dtype_policy.name for layer in model.layers]
+    return values, policies
+
+
+def _assert_unchanged(before, after):
+    (values_before, policies_before), (values_after, policies_after) = before, after
+    assert policies_before == policies_after
+    assert len(values_before) == len(values_after)
+    for a, b in zip(values_before, values_after):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_forward_overflow_names_the_layer_and_the_float32_max():
+    model = _model(kernel=300.0)
+    before = _state(model)
+    diagnosis = tfmixprec.explain_overflow(model, _batch(100.0))
+    _assert_unchanged(before, _state(model))
+    assert (diagnosis.cause, diagnosis.layer) == ("forward-overflow", "big")
+    assert "reach 2.4e+05 in float32, past float16's 65504" in diagnosis.message
+    assert "finite in float32 and bfloat16" in diagnosis.message
+    big = diagnosis.layers[0]
+    assert (big.layer, big.compute_dtype, big.inf) == ("big", "float16", 64)
+    assert big.float32_max_abs == 240000.0
+    assert diagnosis.loss_scale == 2.0**15
+
+
+def test_attention_logits_past_65504_are_a_forward_overflow():
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((4, 8))
+        attention = keras.layers.MultiHeadAttention(2, 8, name="attention")
+        mixed = attention(inputs, inputs)
+        outputs = keras.layers.Dense(1, dtype="float32", name="head")(mixed)
+        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+        model.compile(optimizer="adam", loss="mse")
+    x = np.full((2, 4, 8), 200.0, "float32")
+    diagnosis = tfmixprec.explain_overflow(model, (x, np.zeros((2, 4, 1), "float32")))
+    assert (diagnosis.cause, diagnosis.layer) == ("forward-overflow", "attention")
+
+
+def test_bad_data_names_the_labels():
+    model = _model()
+    x, y = _batch()
+    y[2, 0] = np.nan
+    diagnosis = tfmixprec.explain_overflow(model, (x, y))
+    assert (diagnosis.cause, diagnosis.layer) == ("bad-data", None)
+    assert diagnosis.message.startswith("the batch's labels hold 1 NaN/Inf values")
+
+
+def test_loss_overflow_and_scaled_loss_overflow():
+    model = _model(kernel=1.0, policy="float32")
+    model.get_layer("out").kernel.assign(np.full((16, 1), 1e18, "float32"))
+    diagnosis = tfmixprec.explain_overflow(model, _batch(1.0), scale=1.0)
+    assert diagnosis.cause == "loss-overflow"
+    assert "the loss is not" in diagnosis.message
+    model.get_layer("out").kernel.assign(np.full((16, 1), 1e16, "float32"))
+    diagnosis = tfmixprec.explain_overflow(model, _batch(1.0), scale=2.0**15)
+    assert diagnosis.cause == "loss-overflow"
+    assert "the loss times 32768 is not" in diagnosis.message
+
+
+def test_backward_overflow_counts_the_halvings():
+    model = _model(kernel=300.0)
+    before = _state(model)
+    diagnosis = tfmixprec.explain_overflow(model, _batch(1.0))
+    _assert_unchanged(before, _state(model))
+    assert (diagnosis.cause, diagnosis.layer) == ("backward-overflow", "big")
+    assert (diagnosis.halvings, diagnosis.finite_scale) == (14, 2.0)  # dL/dh = 19200: S < 3.4
+    assert "nothing to fix" in diagnosis.message
+    assert diagnosis.layers[0].gradient_nonfinite > 0
+
+
+def test_underflow_share_at_the_scale():
+    keras.utils.set_random_seed(0)
+    model = _model(kernel=0.1)
+
+    def tiny_loss(y_true, y_pred):
+        return keras.losses.mean_squared_error(y_true, y_pred) * 2.0**-40
+
+    diagnosis = tfmixprec.explain_overflow(model, _batch(1.0), scale=1.0, loss_fn=tiny_loss)
+    assert diagnosis.cause == "underflow"
+    assert diagnosis.underflow_fraction > 0.9
+    assert "flush to zero in float16" in diagnosis.message
+    at_scale = tfmixprec.explain_overflow(model, _batch(1.0), scale=2.0**40, loss_fn=tiny_loss)
+    assert at_scale.cause == "none" and at_scale.underflow_fraction == 0.0
+
+
+def test_default_scale_is_the_overflowing_steps_scale():
+    model = _model(kernel=300.0, scale=1024.0)
+    x, y = _batch(1.0, n=8)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # overflows, backs off to 512
+    assert model.optimizer.read_state()["loss_scale"] == 512.0
+    diagnosis = tfmixprec.explain_overflow(model, (x, y))
+    assert diagnosis.loss_scale == 1024.0
+    assert (diagnosis.cause, diagnosis.halvings) == ("backward-overflow", 9)  # 1024 -> 2
+
+
+def test_report_forms():
+    model = _model(kernel=300.0)
+    diagnosis = tfmixprec.explain_overflow(model, _batch(100.0))
+    as_dict = json.loads(json.dumps(diagnosis.to_dict()))
+    assert as_dict["cause"] == "forward-overflow" and as_dict["loss"] == "inf"
+    assert as_dict["layers"][0]["layer"] == "big"
+    table = diagnosis.to_markdown()
+    assert table.startswith("**forward-overflow** in `big`: 64 NaN/Inf in its output")
+    assert "| big | float16 | 0 | 0 | 64 | 2.4e+05 |" in table
+    assert str(diagnosis).startswith("forward-overflow in layer 'big': ")
+
+
+def test_a_subclassed_model_and_a_plain_optimizer():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.big = keras.layers.Dense(
+                4, name="big", kernel_initializer=keras.initializers.Constant(300.0)
+            )
+            self.out = keras.layers.Dense(1, name="out", dtype="float32")
+
+        def call(self, x):
+            return self.out(self.big(x))
+
+    with tfmixprec.policy_scope("mixed_float16"):
+        model = Net()
+        model.compile(optimizer="sgd", loss="mse", auto_scale_loss=False)
+    model(np.zeros((1, 8), "float32"))
+    diagnosis = tfmixprec.explain_overflow(model, _batch(100.0))
+    assert (diagnosis.cause, diagnosis.layer, diagnosis.loss_scale) == (
+        "forward-overflow",
+        "big",
+        1.0,
+    )
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="explain_overflow expects a keras.Model"):
+        tfmixprec.explain_overflow("model", _batch())
+    unbuilt = keras.Sequential([keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="is not built"):
+        tfmixprec.explain_overflow(unbuilt, _batch())
+    model = _model()
+    with pytest.raises(ValueError, match=r"batch must be a tuple \(x, y\)"):
+        tfmixprec.explain_overflow(model, np.zeros((4, 8)))
+
+
+def test_inputs_past_65504_overflow_at_the_first_layers_cast():
+    model = _model()
+    x, y = _batch()
+    x[0, 0] = 1e5  # finite data, but not in float16
+    diagnosis = tfmixprec.explain_overflow(model, (x, y))
+    assert (diagnosis.cause, diagnosis.layer) == ("forward-overflow", "big")
+    assert "its inputs reach 1e+05 in float32, past float16's 65504" in diagnosis.message
+
+
+def test_an_overflow_between_layers_names_the_next_layer():
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(4, name="first")(inputs)
+        exploded = keras.ops.exp(hidden * 40.0)  # not a layer: no watched call
+        outputs = keras.layers.Dense(1, name="second", dtype="float32")(exploded)
+        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.abs(np.random.default_rng(0).normal(size=(4, 8))).astype("float32")
+    diagnosis = tfmixprec.explain_overflow(model, (x, np.ones((4, 1), "float32")))
+    assert diagnosis.cause == "forward-overflow"
+    assert diagnosis.layer == "second"
+    assert "an operation before it that is not a layer" in diagnosis.message
+
+
+def test_sample_weights_with_a_string_loss():
+    model = _model()
+    x, y = _batch()
+    weighted = tfmixprec.explain_overflow(model, (x, y, np.array([0.0, 0.0, 2.0, 2.0])))
+    plain = tfmixprec.explain_overflow(model, (x, y))
+    assert weighted.cause == plain.cause
+    assert weighted.loss == plain.loss  # equal rows: weights (0, 0, 2, 2) average to 1
+    halved = tfmixprec.explain_overflow(model, (x, y, np.array([0.0, 0.0, 1.0, 1.0])))
+    assert halved.loss == plain.loss / 2
+
+
+@pytest.mark.parametrize("scale", ["big", float("nan"), 0.0, -1.0, float("inf"), True])
+def test_bad_scale(scale):
+    with pytest.raises(ValueError, match=r"scale must be a finite number > 0.*Received: scale="):
+        tfmixprec.explain_overflow(_model(), _batch(), scale=scale)
+
+
+def test_bad_loss_fn_labels_and_uncompiled_model():
+    with pytest.raises(TypeError, match="loss_fn must be a callable.*Received: loss_fn='mse'"):
+        tfmixprec.explain_overflow(_model(), _batch(), loss_fn="mse")
+    with pytest.raises(ValueError, match="batch must hold labels"):
+        tfmixprec.explain_overflow(_model(), (_batch()[0], None))
+    uncompiled = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)], name="bare")
+    with pytest.raises(ValueError, match="model 'bare' is not compiled with one"):
+        tfmixprec.explain_overflow(uncompiled, _batch())
+
+
+def test_overflow_scale_without_a_recorded_scale_is_the_current_one():
+    model = _model(scale=64.0)
+    optimizer = model.optimizer
+    optimizer.consecutive_overflows.assign(1)  # as restored from a checkpoint without it
+    assert optimizer.overflow_scale() == 64.0

@@ -1,0 +1,492 @@
+"""Why a step overflowed: replay one batch outside the training step and name the cause.
+
+`explain_overflow(model, batch)` runs the batch again, in inference mode, and changes no
+weight, optimizer slot or loss scale. It looks, in this order, for:
+
+- `bad-data`: NaN/Inf already in the inputs, labels or sample weights;
+- `forward-overflow`: the first layer (in the order the forward pass runs them) whose output
+  is not finite although its inputs are: its activations exceed the compute dtype's range
+  (65504 for float16). A second replay in float32 says how large they are and whether the
+  layer would be finite in float32 or bfloat16;
+- `loss-overflow`: the predictions are finite but the loss, or the loss times the scale, is not;
+- `backward-overflow`: everything forward is finite but some gradients of the scaled loss are
+  not; the replay halves the scale until they are (k halvings: the dynamic scale finds that
+  level by itself, nothing to fix) and names the first layer whose gradients overflowed;
+- `underflow`: nothing overflows, but a large share of the scaled gradients (measured in
+  float32) is below float16's smallest subnormal, 2^-24, and would flush to zero;
+- `none`: the batch replays finite at this scale with little underflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmixprec._layers import (
+    check_built_model,
+    compiled_loss,
+    iter_layers,
+    loss_value,
+    watch_leaf_calls,
+)
+from tfmixprec._validate import is_number
+from tfmixprec.gradient_range import gradient_range_stats
+from tfmixprec.loss_scale import format_scale, multiply
+
+__all__ = ["LayerReplay", "OverflowDiagnosis", "explain_overflow"]
+
+CAUSES = ("bad-data", "forward-overflow", "loss-overflow", "backward-overflow", "underflow", "none")
+UNDERFLOW_SHARE = 0.01  # at least this share of gradients flushing to zero is worth a word
+_MAX_HALVINGS = 40
+_DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895e38, "float32": 3.4028e38}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReplay:
+    """One layer in the replay, in the order the forward pass ran it.
+
+    Attributes:
+        layer: String. The layer's name.
+        compute_dtype: String. The dtype it computes in.
+        max_abs: Float. The largest finite |x| of its output (in its compute dtype).
+        nan: Int. NaN values in its output. inf: Int. Inf values in its output.
+        float32_max_abs: Float. The largest |x| of its output in the float32 replay (`inf`
+            when not finite even in float32).
+        gradient_nonfinite: Int. Non-finite values in the gradients of its variables at the
+            replayed scale.
+        gradient_underflow: Float. Share of its scaled gradients (measured in float32) below
+            2^-24.
+    """
+
+    layer: str
+    compute_dtype: str
+    max_abs: float
+    nan: int
+    inf: int
+    float32_max_abs: float
+    gradient_nonfinite: int = 0
+    gradient_underflow: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowDiagnosis:
+    """What the replay of one batch found: the cause, the layer, and the numbers behind them.
+
+    Attributes:
+        cause: String. One of `CAUSES` (see the module's docstring).
+        layer: String or None. The first layer where the cause appears.
+        message: String. What happened and what to do, in a sentence or two.
+        loss_scale: Float. The scale replayed.
+        loss: Float. The batch's loss (float32).
+        scaled_loss: Float. `loss * loss_scale`, in float32.
+        halvings: Int or None. For `backward-overflow`: how many halvings of the scale made
+            the gradients finite (None if not even at a scale of 1).
+        finite_scale: Float or None. The scale at which they were finite.
+        underflow_fraction: Float. Share of all scaled gradients (float32) below 2^-24.
+        layers: Tuple of `LayerReplay`, in forward order.
+    """
+
+    cause: str
+    layer: str | None
+    message: str
+    loss_scale: float
+    loss: float
+    scaled_loss: float
+    halvings: int | None
+    finite_scale: float | None
+    underflow_fraction: float
+    layers: tuple[LayerReplay, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The diagnosis as plain Python values (JSON-ready: `inf`/`nan` as strings)."""
+        return _jsonable(dataclasses.asdict(self))
+
+    def to_markdown(self) -> str:
+        """A short verdict and a markdown table of the layers (for TensorBoard and issues)."""
+        head = f"**{self.cause}**" + (f" in `{self.layer}`" if self.layer else "")
+        lines = [
+            f"{head}: {self.message}",
+            "",
+            f"loss scale {format_scale(self.loss_scale)}, loss {self.loss:.6g}, "
+            f"underflow {self.underflow_fraction:.2%}",
+            "",
+            "| layer | dtype | max abs | NaN | Inf | max abs (float32) | grad non-finite |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in self.layers:
+            lines.append(
+                f"| {row.layer} | {row.compute_dtype} | {row.max_abs:.4g} | {row.nan} | "
+                f"{row.inf} | {row.float32_max_abs:.4g} | {row.gradient_nonfinite} |"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        where = f" in layer {self.layer!r}" if self.layer else ""
+        return f"{self.cause}{where}: {self.message}"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _floats(value: Any) -> list[np.ndarray]:
+    """The floating-point arrays in a nested structure of tensors/arrays."""
+    arrays = []
+    for item in keras.tree.flatten(value):
+        if item is None:
+            continue
+        array = np.asarray(tf.convert_to_tensor(item).numpy() if tf.is_tensor(item) else item)
+        if np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16":
+            arrays.append(array.astype(np.float32))
+    return arrays
+
+
+def _all_finite(value: Any) -> bool:
+    return all(np.isfinite(array).all() for array in _floats(value))
+
+
+def _output_stats(result: Any) -> tuple[float, int, int]:
+    arrays = _floats(result)
+    nan = sum(int(np.isnan(a).sum()) for a in arrays)
+    inf = sum(int(np.isinf(a).sum()) for a in arrays)
+    finite = [np.abs(a[np.isfinite(a)]) for a in arrays]
+    biggest = max((float(f.max()) for f in finite if f.size), default=0.0)
+    return biggest, nan, inf
+
+
+@dataclasses.dataclass
+class _Pass:
+    """One replay: per layer call, (layer, compute dtype, output stats, input stats); the stats
+    are (largest finite |x|, NaN count, Inf count)."""
+
+    calls: list[tuple[Any, str, tuple[float, int, int], tuple[float, int, int]]]
+    y_pred: Any
+    loss: float
+    grads: list[Any]
+
+
+def _replay(model: keras.Model, data: tuple, loss_fn: Callable, scale: float) -> _Pass:
+    """Forward (inference mode) and backward of the loss times `scale`, watching each layer."""
+    x, y, sample_weight = data
+    calls: list[tuple[Any, str, tuple[float, int, int], tuple[float, int, int]]] = []
+
+    def record(layer: Any, args: tuple, result: Any) -> None:
+        calls.append((layer, layer.compute_dtype, _output_stats(result), _output_stats(args)))
+
+    variables = model.trainable_variables
+    with watch_leaf_calls(model, record), tf.GradientTape() as tape:
+        y_pred = model(x, training=False)
+        loss = loss_value(loss_fn, y, y_pred, sample_weight)
+        scaled = multiply(loss, scale)
+    grads = tape.gradient(scaled, variables)
+    return _Pass(calls, y_pred, float(loss.numpy()), grads)
+
+
+def _in_float32(model: keras.Model, run: Callable[[], _Pass]) -> _Pass:
+    """`run()` with every layer of `model` computing in float32; the policies restored after."""
+    layers = [model, *iter_layers(model)]
+    policies = [layer.dtype_policy for layer in layers]
+    try:
+        for layer in layers:
+            layer.dtype_policy = "float32"
+        return run()
+    finally:
+        for layer, policy in zip(layers, policies):
+            layer.dtype_policy = policy
+
+
+def _owners(model: keras.Model) -> dict[int, Any]:
+    """`id(variable) -> the leaf layer that owns it`."""
+    owners = {}
+    for layer in iter_layers(model):
+        for variable in layer.trainable_variables:
+            owners[id(variable)] = layer  # the innermost layer that holds it (walked last)
+    return owners
+
+
+def _gradient_rows(model: keras.Model, grads: list[Any], grads32: list[Any]) -> dict[int, tuple]:
+    """Per owning layer: (non-finite values at the scale, share of float32 values < 2^-24)."""
+    owners = _owners(model)
+    per_layer: dict[int, tuple[list, list]] = {}
+    for variable, grad, grad32 in zip(model.trainable_variables, grads, grads32):
+        layer = owners.get(id(variable))
+        if layer is None or grad is None:
+            continue
+        mine = per_layer.setdefault(id(layer), ([], []))
+        mine[0].append(grad)
+        mine[1].append(grad32)
+    rows = {}
+    for key, (mine, mine32) in per_layer.items():
+        bad = sum(int((~np.isfinite(a)).sum()) for a in _floats(mine))
+        rows[key] = (
+            bad,
+            gradient_range_stats([g for g in mine32 if g is not None]).underflow_fraction,
+        )
+    return rows
+
+
+def _layer_rows(model: keras.Model, run: _Pass, run32: _Pass) -> list[LayerReplay]:
+    float32_max = {}
+    for layer, _, (biggest, nan, inf), _ in run32.calls:
+        float32_max[id(layer)] = math.inf if nan or inf else biggest
+    grad_rows = _gradient_rows(model, run.grads, run32.grads)
+    rows, seen = [], set()
+    for layer, dtype, (biggest, nan, inf), _ in run.calls:
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        bad, under = grad_rows.get(id(layer), (0, 0.0))
+        rows.append(
+            LayerReplay(
+                layer.name, dtype, biggest, nan, inf, float32_max.get(id(layer), 0.0), bad, under
+            )
+        )
+    return rows
+
+
+def _bad_data(data: tuple) -> OverflowDiagnosis | None:
+    for name, value in zip(("inputs", "labels", "sample weights"), data):
+        arrays = _floats(value)
+        bad = sum(int((~np.isfinite(a)).sum()) for a in arrays)
+        if bad:
+            return _verdict(
+                "bad-data",
+                None,
+                f"the batch's {name} hold {bad} NaN/Inf values: no loss scale can fix this. "
+                "Clean or filter the data (e.g. dataset.filter on tf.math.is_finite).",
+            )
+    return None
+
+
+def _forward_advice(dtype: str, float32_max: float) -> str:
+    """What the float32 replay says of a layer whose output overflowed in `dtype`."""
+    limit = _DTYPE_MAX.get(dtype, math.inf)
+    fix = 'Run it in float32 (dtype="float32" on the layer), or use mixed_bfloat16'
+    if not math.isfinite(float32_max):
+        return (
+            "it is not finite even in float32: the weights or the model diverge, not the "
+            "precision (lower the learning rate, check the initialization)."
+        )
+    if float32_max > limit:
+        fits = [name for name in ("float32", "bfloat16") if float32_max <= _DTYPE_MAX[name]]
+        return (
+            f"its outputs reach {float32_max:.4g} in float32, past {dtype}'s {limit:.6g}; it "
+            f"would be finite in {' and '.join(fits)}. {fix}."
+        )
+    return (
+        f"a value inside it passes {dtype}'s {limit:.6g} (attention logits or a long sum, "
+        f"say), though its output is finite in float32 (max |x| {float32_max:.4g}). {fix} "
+        "(float32's range)."
+    )
+
+
+def _input_advice(dtype: str, input_max: float) -> str:
+    """Why a layer's inputs were not finite although no layer before it made a NaN/Inf."""
+    limit = _DTYPE_MAX.get(dtype, math.inf)
+    if input_max > limit:
+        return (
+            f"its inputs reach {input_max:.4g} in float32, past {dtype}'s {limit:.6g}, so they "
+            f"are not finite by the time they reach it in {dtype} (the model's inputs cast to "
+            f"{dtype}, or an operation before it that is not a layer). Normalize the inputs, "
+            "or compute that part in float32."
+        )
+    return (
+        f"its inputs are already not finite in {dtype} though no layer before it made a "
+        "NaN/Inf: an operation between layers (keras.ops on a tensor, say) overflowed "
+        f"(the inputs reach {input_max:.4g} in float32). Run that computation in float32."
+    )
+
+
+def _forward_source(run: _Pass, run32: _Pass, rows: list[LayerReplay]) -> OverflowDiagnosis | None:
+    """The first layer whose output is not finite although its inputs are; else the first
+    layer whose output is not finite (its inputs overflowed before it, outside any layer)."""
+    by_name = {row.layer: row for row in rows}
+    bad = [call for call in run.calls if call[2][1] or call[2][2]]
+    for layer, dtype, (_, nan, inf), (_, in_nan, in_inf) in bad:
+        if not (in_nan or in_inf):
+            advice = _forward_advice(dtype, by_name[layer.name].float32_max_abs)
+            return _verdict(
+                "forward-overflow", layer.name, f"{nan + inf} NaN/Inf in its output; {advice}"
+            )
+    if bad:
+        layer, _, (_, nan, inf), _ = bad[0]
+        input_max = next((c[3][0] for c in run32.calls if c[0] is layer), math.nan)
+        low = next((c[1] for c in run.calls if c[1] != "float32"), "float32")
+        advice = _input_advice(low, input_max)
+        return _verdict(
+            "forward-overflow", layer.name, f"{nan + inf} NaN/Inf in its output; {advice}"
+        )
+    if not _all_finite(run.y_pred):
+        return _verdict(
+            "forward-overflow",
+            None,
+            "the predictions are not finite though every layer's output is: an operation "
+            "after the layers (keras.ops on the outputs, say) overflowed. Run it in float32.",
+        )
+    return None
+
+
+def _halvings(replay: Callable[[float], _Pass], scale: float) -> tuple[int | None, float | None]:
+    """How many halvings of `scale` make every gradient finite (None: not even at 1)."""
+    for k in range(1, _MAX_HALVINGS + 1):
+        trial = scale / 2.0**k
+        if trial < 1.0:
+            break
+        if _all_finite(replay(trial).grads):
+            return k, trial
+    return None, None
+
+
+def _verdict(cause: str, layer: str | None, message: str) -> OverflowDiagnosis:
+    """A diagnosis with only the verdict filled in (`explain_overflow` adds the numbers)."""
+    return OverflowDiagnosis(cause, layer, message, 0.0, math.nan, math.nan, None, None, 0.0, ())
+
+
+def _classify(
+    run: _Pass, run32: _Pass, rows: list[LayerReplay], replay: Callable, scale: float
+) -> OverflowDiagnosis:
+    found = _forward_source(run, run32, rows)
+    if found is not None:
+        return found
+    scaled = run.loss * scale
+    if not math.isfinite(run.loss) or not math.isfinite(scaled) or scaled > 3.4028e38:
+        what = (
+            "the loss" if not math.isfinite(run.loss) else f"the loss times {format_scale(scale)}"
+        )
+        return _verdict(
+            "loss-overflow",
+            None,
+            f"the predictions are finite but {what} is not ({run.loss:.6g}); compute the loss "
+            "in float32 from float32 outputs (a float32 output layer), or check the labels.",
+        )
+    if not _all_finite(run.grads):
+        layer = next((row.layer for row in rows if row.gradient_nonfinite), None)
+        k, finite_scale = _halvings(replay, scale)
+        if k is None:
+            message = (
+                "its gradients are not finite even unscaled: run it in float32 "
+                '(dtype="float32" on the layer).'
+            )
+        else:
+            message = (
+                f"the gradients are finite at scale {format_scale(finite_scale)} ({k} halving"
+                f"{'s' if k > 1 else ''} of {format_scale(scale)}): the dynamic loss scale "
+                "finds this level by itself, nothing to fix."
+            )
+        verdict = _verdict("backward-overflow", layer, message)
+        return dataclasses.replace(verdict, halvings=k, finite_scale=finite_scale)
+    return _verdict("none", None, f"the batch is finite at scale {format_scale(scale)}.")
+
+
+def _check_arguments(data: tuple, scale: Any, loss_fn: Any) -> None:
+    if data[1] is None:
+        raise ValueError(
+            "batch must hold labels: explain_overflow replays the loss. Received: batch (x, None)"
+        )
+    if scale is not None and (not is_number(scale) or not 0 < scale < math.inf):
+        raise ValueError(
+            "scale must be a finite number > 0, or None for the optimizer's. "
+            f"Received: scale={scale!r}"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            "loss_fn must be a callable (y_true, y_pred) or a keras.losses.Loss, or None for "
+            f"the compiled loss. Received: loss_fn={loss_fn!r}"
+        )
+
+
+def _scale_of(model: keras.Model, scale: float | None) -> float:
+    if scale is not None:
+        return float(scale)
+    optimizer = getattr(model, "optimizer", None)
+    reader = getattr(optimizer, "overflow_scale", None)
+    if reader is not None:
+        return reader()
+    value = getattr(optimizer, "loss_scale", None) or getattr(optimizer, "dynamic_scale", None)
+    return 1.0 if value is None else float(np.asarray(value))
+
+
+def explain_overflow(
+    model: keras.Model,
+    batch: Sequence[Any],
+    scale: float | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+) -> OverflowDiagnosis:
+    """Replays one batch and says why its step overflowed (or would), naming the layer.
+
+    Runs the batch forward (inference mode: dropout off, batch-norm statistics not updated)
+    and backward once in the model's dtypes and once in float32, outside the training step;
+    changes no weight, optimizer slot or loss scale.
+
+    Args:
+        model: A built `keras.Model` (compiled, unless `loss_fn` is given).
+        batch: Tuple `(x, y)` or `(x, y, sample_weight)`: the batch that overflowed.
+        scale: Float or None. The loss scale to replay at; by default the scale of the last
+            step if it overflowed (before the backoff), else the current scale (1 without a
+            loss-scaling optimizer).
+        loss_fn: A `keras.losses.Loss`, or a callable `(y_true, y_pred)` returning per-sample
+            losses (weighted and averaged as Keras does), or None for the compiled loss.
+
+    Returns:
+        An `OverflowDiagnosis`: `cause`, `layer`, `message`, the numbers behind them and a
+        per-layer table (`print` it, or `to_dict()` / `to_markdown()`).
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model`.
+        TypeError: If `loss_fn` is not callable.
+        ValueError: If the model is not built, has no single compiled loss and no `loss_fn`
+            is given, `batch` is not `(x, y)` / `(x, y, sample_weight)` with labels, or
+            `scale` is not a finite number > 0.
+
+    Example:
+
+    >>> diagnosis = tfmixprec.explain_overflow(model, (x[:32], y[:32]))
+    >>> diagnosis.cause
+    'none'
+    """
+    check_built_model(model, "explain_overflow")
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+        raise ValueError(
+            "batch must be a tuple (x, y) or (x, y, sample_weight). "
+            f"Received: batch of type {type(batch).__name__}"
+        )
+    data = (batch[0], batch[1], batch[2] if len(batch) == 3 else None)
+    _check_arguments(data, scale, loss_fn)
+    loss_fn = loss_fn if loss_fn is not None else compiled_loss(model, "explain_overflow")
+    scale = _scale_of(model, scale)
+    bad = _bad_data(data)
+    if bad is not None:
+        return dataclasses.replace(bad, loss_scale=scale)
+    replay = lambda s: _replay(model, data, loss_fn, s)  # noqa: E731
+    run = replay(scale)
+    run32 = _in_float32(model, lambda: replay(scale))
+    rows = _layer_rows(model, run, run32)
+    verdict = _classify(run, run32, rows, replay, scale)
+    underflow = gradient_range_stats([g for g in run32.grads if g is not None]).underflow_fraction
+    if verdict.cause == "none" and underflow >= UNDERFLOW_SHARE:
+        verdict = _verdict(
+            "underflow",
+            None,
+            f"{underflow:.1%} of the gradients times {format_scale(scale)} are below 2^-24 and "
+            "flush to zero in float16; a larger loss scale (or dynamic scaling) keeps them.",
+        )
+    return dataclasses.replace(
+        verdict,
+        loss_scale=scale,
+        loss=run.loss,
+        scaled_loss=run.loss * scale,
+        underflow_fraction=underflow,
+        layers=tuple(rows),
+    )
