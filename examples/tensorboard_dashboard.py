@@ -34,9 +34,9 @@ def build_model(growth_interval: int) -> tfmixprec.MixedPrecisionModel:
     """A 16-32-32-1 regressor under the current policy, its loss scale starting at 2**20."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16,))
-    hidden = keras.layers.Dense(32, activation="relu")(inputs)
-    hidden = keras.layers.Dense(32, activation="relu")(hidden)
-    outputs = keras.layers.Dense(1, dtype="float32")(hidden)
+    hidden = keras.layers.Dense(32, activation="relu", name="hidden_1")(inputs)
+    hidden = keras.layers.Dense(32, activation="relu", name="hidden_2")(hidden)
+    outputs = keras.layers.Dense(1, dtype="float32", name="output")(hidden)
     model = tfmixprec.MixedPrecisionModel(inputs, outputs)
     opt = tfmixprec.LossScaleOptimizer(
         keras.optimizers.Adam(3e-3),

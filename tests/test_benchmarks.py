@@ -84,3 +84,11 @@ def test_cpu_kernels_smoke():
     for op in ("MatMul, transposed", "Dense forward", "attention einsum", "Conv2DBackpropFilter"):
         assert out.count(op) == 2  # once per remapper setting
     assert out.count("(  1.00x)") >= 10  # the float32 column of every row
+
+
+def test_diagnosis_names_every_case():
+    out = _run("diagnosis.py")
+    verdicts = [line for line in out.splitlines() if line.startswith("## ")]
+    assert len(verdicts) == 4
+    assert all(line.endswith("[OK]") for line in verdicts), verdicts
+    assert "found forward-overflow in attention" in verdicts[0]

@@ -80,9 +80,8 @@ def test_every_batch_values_in_event_files(tmp_path):
     assert _series(acc, "mixed_precision/loss_scale") == list(
         zip(steps, [32768.0] * 2 + [16384.0] * 3 + [8192.0] * 3)
     )
-    assert _series(acc, "mixed_precision/overflow") == list(
-        zip(steps, [0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
-    )
+    # Only at the overflow steps: a series of events alone, never clipped as outliers.
+    assert _series(acc, "mixed_precision/overflow") == [(3, 1.0), (6, 1.0)]
     assert _series(acc, "mixed_precision/overflow_steps") == list(
         zip(steps, [0.0, 0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
     )
@@ -155,6 +154,14 @@ def test_update_freq_is_respected(tmp_path):
     assert _series(acc, "mixed_precision/overflow_steps") == [(0, 2.0), (1, 4.0)]
     assert [step for step, _ in _series(acc, "epoch_loss")] == [0, 1]  # Keras's own, kept
     assert "batch_loss" not in acc.Tags()["tensors"]
+
+
+def test_overflows_after_the_last_write_are_written_at_the_end(tmp_path):
+    # update_freq=3 writes at steps 3 and 6; the overflow of batch 7 (step 8) comes after.
+    _fit(tmp_path, bad_batches=(1, 7), update_freq=3)
+    acc = _events(tmp_path)
+    assert _series(acc, "mixed_precision/overflow") == [(3, 1.0), (8, 1.0)]
+    assert _series(acc, "mixed_precision/overflow_steps")[-1] == (8, 2.0)
 
 
 def test_custom_scalars_layout_written(tmp_path):
@@ -341,9 +348,7 @@ def test_live_tensorboard_http_api(tmp_path, tensorboard_server):
     points = _get_json(
         port, "/data/plugin/scalars/scalars", {"run": run, "tag": "mixed_precision/overflow"}
     )
-    assert [(step, value) for _, step, value in points] == list(
-        zip(range(1, 9), [0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
-    )
+    assert [(step, value) for _, step, value in points] == [(3, 1.0), (6, 1.0)]
     scale = _get_json(
         port, "/data/plugin/scalars/scalars", {"run": run, "tag": "mixed_precision/loss_scale"}
     )

@@ -103,7 +103,7 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
     def apply_finite_step(self, grads: Sequence[Any], trainable_variables: Any) -> None:
         raise NotImplementedError
 
-    def skip_step(self, nonfinite: Any = None) -> None:
+    def skip_step(self, evidence: Any = None) -> None:
         raise NotImplementedError
 
     # Why: Keras's `_tf_apply` asks `check_finite(grads)` for one bool, so its skip branch
@@ -115,11 +115,11 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            finite, nonfinite = self.check_step(grads, trainable_variables)
+            finite, evidence = self.check_step(grads, trainable_variables)
             tf.cond(
                 finite,
                 lambda: self.apply_finite_step(grads, trainable_variables),
-                lambda: self.skip_step(nonfinite),
+                lambda: self.skip_step(evidence),
             )
             return
 
@@ -128,14 +128,14 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
                 self.check_step, args=(grads, variables)
             )
             # Every replica computed the same values (the flags are all-reduced).
-            finite, nonfinite = (distribution.experimental_local_results(v)[0] for v in checked)
+            finite, evidence = (distribution.experimental_local_results(v)[0] for v in checked)
 
             def apply_fn() -> None:
                 distribution.extended.call_for_each_replica(
                     self.apply_finite_step, args=(grads, variables)
                 )
 
-            tf.cond(finite, apply_fn, lambda: self.skip_step(nonfinite))
+            tf.cond(finite, apply_fn, lambda: self.skip_step(evidence))
 
         tf.distribute.get_replica_context().merge_call(
             in_cross_replica, args=(grads, trainable_variables)

@@ -16,6 +16,7 @@ from typing import Any
 import keras
 
 from tfmixprec._layers import is_container, iter_layers
+from tfmixprec._text import markdown_table
 
 __all__ = ["LayerOverflows", "OverflowReport", "overflow_report"]
 
@@ -76,15 +77,12 @@ class OverflowReport:
 
     def to_markdown(self) -> str:
         """A markdown table, one row a layer (for TensorBoard text summaries and issues)."""
-        lines = [
-            f"**{_steps(self.overflow_steps)}**, last at step {self.last_overflow_step}",
-            "",
-            "| layer | overflow steps | last step | variables |",
-            "|---|---|---|---|",
+        rows = [
+            (r.layer, r.overflow_steps, r.last_step, ", ".join(f"`{v}`" for v in r.variables))
+            for r in self.layers
         ]
-        for row in self.layers:
-            names = ", ".join(f"`{v}`" for v in row.variables)
-            lines.append(f"| {row.layer} | {row.overflow_steps} | {row.last_step} | {names} |")
+        lines = [f"**{_steps(self.overflow_steps)}**, last at step {self.last_overflow_step}", ""]
+        lines += markdown_table(("layer", "overflow steps", "last step", "variables"), rows)
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -12,6 +12,7 @@ import keras
 
 from tfmixprec import cpu_float16
 from tfmixprec._layers import check_built_model, is_container, iter_layers, output_layers
+from tfmixprec._text import markdown_table
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 from tfmixprec.policy import LOW_PRECISION, _check_policy_name, choose_policy, float32_reason
 
@@ -100,16 +101,11 @@ class AuditReport:
             "",
         ]
         if self.findings:
-            lines += ["| severity | layer | problem | fix |", "|---|---|---|---|"]
-            for f in self.findings:
-                lines.append(f"| {f.severity} | {f.layer or '-'} | {f.message} | {f.fix} |")
+            rows = [(f.severity, f.layer or "-", f.message, f.fix) for f in self.findings]
+            lines += markdown_table(("severity", "layer", "problem", "fix"), rows)
             lines.append("")
-        lines += ["| layer | class | compute | variables |", "|---|---|---|---|"]
-        for layer in self.layers:
-            lines.append(
-                f"| {layer.layer} | {layer.class_name} | {layer.compute_dtype} | "
-                f"{layer.variable_dtype} |"
-            )
+        rows = [(x.layer, x.class_name, x.compute_dtype, x.variable_dtype) for x in self.layers]
+        lines += markdown_table(("layer", "class", "compute", "variables"), rows)
         return "\n".join(lines)
 
     def __str__(self) -> str:

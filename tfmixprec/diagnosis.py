@@ -35,7 +35,8 @@ from tfmixprec._layers import (
     loss_value,
     watch_leaf_calls,
 )
-from tfmixprec._validate import is_number
+from tfmixprec._text import markdown_table
+from tfmixprec._validate import check_float32_scale
 from tfmixprec.gradient_range import gradient_range_stats
 from tfmixprec.loss_scale import format_scale, multiply
 
@@ -116,14 +117,14 @@ class OverflowDiagnosis:
             f"loss scale {format_scale(self.loss_scale)}, loss {self.loss:.6g}, "
             f"underflow {self.underflow_fraction:.2%}",
             "",
-            "| layer | dtype | max abs | NaN | Inf | max abs (float32) | grad non-finite |",
-            "|---|---|---|---|---|---|---|",
         ]
-        for row in self.layers:
-            lines.append(
-                f"| {row.layer} | {row.compute_dtype} | {row.max_abs:.4g} | {row.nan} | "
-                f"{row.inf} | {row.float32_max_abs:.4g} | {row.gradient_nonfinite} |"
-            )
+        header = ("layer", "dtype", "max abs", "NaN", "Inf", "max abs (float32)")
+        rows = [
+            (r.layer, r.compute_dtype, f"{r.max_abs:.4g}", r.nan, r.inf, f"{r.float32_max_abs:.4g}")
+            + (r.gradient_nonfinite,)
+            for r in self.layers
+        ]
+        lines += markdown_table((*header, "grad non-finite"), rows)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -395,11 +396,8 @@ def _check_arguments(data: tuple, scale: Any, loss_fn: Any) -> None:
         raise ValueError(
             "batch must hold labels: explain_overflow replays the loss. Received: batch (x, None)"
         )
-    if scale is not None and (not is_number(scale) or not 0 < scale < math.inf):
-        raise ValueError(
-            "scale must be a finite number > 0, or None for the optimizer's. "
-            f"Received: scale={scale!r}"
-        )
+    if scale is not None:
+        check_float32_scale("scale", scale)  # a finite, positive float32 number
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(
             "loss_fn must be a callable (y_true, y_pred) or a keras.losses.Loss, or None for "
@@ -448,7 +446,7 @@ def explain_overflow(
         TypeError: If `loss_fn` is not callable.
         ValueError: If the model is not built, has no single compiled loss and no `loss_fn`
             is given, `batch` is not `(x, y)` / `(x, y, sample_weight)` with labels, or
-            `scale` is not a finite number > 0.
+            `scale` is not a number in float32's normal range.
 
     Example:
 

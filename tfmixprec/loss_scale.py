@@ -4,7 +4,7 @@
 check (one read of each gradient; whether all are finite and which are not). `LossScale` holds
 the state as variables and has the small functions a step needs: `scale(loss)`,
 `unscale(grads, divisor)` (and the two sides of the unscaling contract, `unscale_returned` /
-`unscale_received`), `adjust(finite, iteration, nonfinite)` (the transition, as graph ops,
+`unscale_received`), `adjust(finite, iteration, evidence)` (the transition, as graph ops,
 counting per variable which gradients were not finite) and `snapshot(iterations)`, the one
 reader of the values every other part of tfmixprec shows (loss scale, whether the last step
 overflowed, total overflow steps, skipped fraction). Nothing else computes those values.
@@ -170,14 +170,16 @@ def all_finite(grads: Sequence[Any]) -> tf.Tensor:
 def check(
     grads: Sequence[Any], indices: Sequence[int], num_variables: int
 ) -> tuple[tf.Tensor, tf.Tensor]:
-    """The finite check of one step: whether every gradient is finite, and which are not.
+    """The finite check of one step: whether every gradient is finite, and the evidence of
+    which are not.
 
     One read of each gradient: its float32 sum is non-finite if any element is. A finite
     tensor whose sum exceeds float32's range (|sum| > 3.4e38, a diverged model) also reads
     as non-finite. About twice as fast as `reduce_all(is_finite(g))`. Under a strategy the
-    gradients are not all-reduced yet, so the per-variable flags are (one all-reduce of a
-    vector of `num_variables` numbers): every replica takes the same branch and blames
-    the same variables.
+    gradients are not all-reduced yet, so the per-gradient verdicts are (one all-reduce of a
+    vector with one number a gradient): every replica takes the same branch and blames the
+    same variables. A clean step costs the flag only: read the evidence with
+    `nonfinite_flags`, on an overflow step.
 
     Args:
         grads: The step's gradients (`None` for a variable without one).
@@ -185,23 +187,32 @@ def check(
         num_variables: The optimizer's number of variables.
 
     Returns:
-        `(finite, nonfinite)`: a scalar bool, and an int32 vector with 1 for each variable
-        whose gradient held an Inf or NaN on any replica.
+        `(finite, evidence)`: a scalar bool, and a float32 vector with one entry a variable
+        of the optimizer, not finite exactly where the flag saw that variable's gradient as
+        not finite (an Inf or NaN, or a float32 sum past float32's range, on any replica).
     """
     where, sums = [], []
     for index, grad in zip(indices, grads):
         if grad is not None:
-            where.append([index])
+            where.append(index)
             sums.append(tf.reduce_sum(tf.cast(gradient_values([grad])[0], tf.float32)))
     if not sums:
-        return tf.constant(True), tf.zeros([num_variables], tf.int32)
-    bad = tf.cast(tf.logical_not(tf.math.is_finite(tf.stack(sums))), tf.float32)
-    bad = tf.scatter_nd(tf.constant(where, tf.int32), bad, [num_variables])
+        return tf.constant(True), tf.zeros([num_variables], tf.float32)
+    evidence = tf.stack(sums)
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and ctx.num_replicas_in_sync > 1:
+        bad = tf.cast(tf.logical_not(tf.math.is_finite(evidence)), tf.float32)
         bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
-    nonfinite = tf.cast(bad > 0.0, tf.int32)
-    return tf.equal(tf.reduce_max(nonfinite), 0), nonfinite
+        evidence = tf.where(bad > 0.0, tf.constant(float("inf")), tf.constant(0.0))
+    finite = tf.reduce_all(tf.math.is_finite(evidence))
+    if where != list(range(num_variables)):  # a part of the variables, or another order
+        evidence = tf.scatter_nd(tf.constant(where, tf.int32)[:, None], evidence, [num_variables])
+    return finite, evidence
+
+
+def nonfinite_flags(evidence: tf.Tensor, dtype: Any = tf.int32) -> tf.Tensor:
+    """1 for each variable whose gradient held an Inf or NaN, from `check`'s evidence."""
+    return tf.cast(tf.logical_not(tf.math.is_finite(evidence)), dtype)
 
 
 class LossScale(tf.Module):
@@ -297,7 +308,7 @@ class LossScale(tf.Module):
             grads, indices, scale, has_float8, lambda g, i, d: g if keep[i] else divide(g, d)
         )
 
-    def adjust(self, finite: bool | tf.Tensor, iteration: Any, nonfinite: Any = None) -> None:
+    def adjust(self, finite: bool | tf.Tensor, iteration: Any, evidence: Any = None) -> None:
         """The transition after one step: grow, back off, count.
 
         Args:
@@ -305,19 +316,19 @@ class LossScale(tf.Module):
                 Python bool builds only that branch (the optimizer calls each from a `cond`).
             iteration: Int tensor or variable. Applied steps so far (the optimizer's
                 `iterations`), before this step; read only for an overflow.
-            nonfinite: Int vector from `check`, or `None`. On an overflow, which variables'
-                gradients were not finite (counted in the attribution state).
+            evidence: The vector from `check`, or `None`. On an overflow, it tells which
+                variables' gradients were not finite (counted in the attribution state).
         """
         if isinstance(finite, bool):
             if finite:
                 self._after_finite(iteration)
             else:
-                self._after_overflow(iteration, nonfinite)
+                self._after_overflow(iteration, evidence)
             return
         tf.cond(
             finite,
             lambda: self._after_finite(iteration),
-            lambda: self._after_overflow(iteration, nonfinite),
+            lambda: self._after_overflow(iteration, evidence),
         )
 
     def _after_finite(self, iteration: Any) -> None:
@@ -340,13 +351,13 @@ class LossScale(tf.Module):
             tf.where(grow, tf.constant(config.hysteresis, tracker.dtype), tracker)
         )
 
-    def _after_overflow(self, iteration: Any, nonfinite: Any = None) -> None:
+    def _after_overflow(self, iteration: Any, evidence: Any = None) -> None:
         config = self.config
         overflows = read_now(self.overflow_steps)
         iteration = tf.cast(read_now(iteration), overflows.dtype)
         attempted = iteration + overflows  # 0-based index of this step, skipped ones counted
-        if nonfinite is not None and self.nonfinite_steps is not None:
-            self._attribute(tf.cast(nonfinite, overflows.dtype), attempted)
+        if evidence is not None and self.nonfinite_steps is not None:
+            self._attribute(nonfinite_flags(evidence, overflows.dtype), attempted)
         self.last_overflow_scale.assign(read_now(self.scale_variable))
         self.overflow_steps.assign(overflows + 1)
         self.consecutive_overflows.assign_add(1)

@@ -19,7 +19,13 @@ from tfmixprec._keras_compat import KerasLossScaleHooks, no_automatic_dependency
 from tfmixprec._validate import check_int_at_least_one, is_number
 from tfmixprec.accumulation import GradientAccumulator
 from tfmixprec.attribution import OverflowReport, build_report
-from tfmixprec.loss_scale import LossScale, LossScaleConfig, all_finite, check
+from tfmixprec.loss_scale import (
+    LossScale,
+    LossScaleConfig,
+    all_finite,
+    check,
+    nonfinite_flags,
+)
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -444,8 +450,8 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         if self._accumulator is None:
             super().apply(grads, trainable_variables)
         else:
-            _, nonfinite = self.check_step(grads, variables)
-            self._accumulator.add(grads, indices, nonfinite, self._apply_window)
+            _, evidence = self.check_step(grads, variables)
+            self._accumulator.add(grads, indices, nonfinite_flags(evidence), self._apply_window)
         if tf.executing_eagerly() and not tf.distribute.has_strategy():
             self.check_min_scale()
 
@@ -461,9 +467,9 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
     def check_step(
         self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None
     ) -> tuple[tf.Tensor, tf.Tensor]:
-        """The step's finite check: `(finite, nonfinite)`, `nonfinite` an int32 vector with 1
-        for each of the optimizer's variables whose gradient held an Inf or NaN on any replica
-        (see `tfmixprec.loss_scale.check`). `apply` calls it once per step."""
+        """The step's finite check: `(finite, evidence)`, `evidence` a vector over the
+        optimizer's variables, not finite where a variable's gradient held an Inf or NaN on any
+        replica (see `tfmixprec.loss_scale.check`). `apply` calls it once per step."""
         tracked = self.tracked_variables()
         variables = tracked if trainable_variables is None else list(trainable_variables)
         indices = [self.variable_index(v) for v in variables]
@@ -474,10 +480,10 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
         self._loss_scale.adjust(True, self.iterations)
 
-    def skip_step(self, nonfinite: Any = None) -> None:
-        """Leaves weights and slots alone; counts the overflow (and, given `nonfinite` from
+    def skip_step(self, evidence: Any = None) -> None:
+        """Leaves weights and slots alone; counts the overflow (and, given `evidence` from
         `check_step`, which variables' gradients were not finite) and backs the scale off."""
-        self._loss_scale.adjust(False, self.iterations, nonfinite)
+        self._loss_scale.adjust(False, self.iterations, evidence)
 
     @classmethod
     def from_config(

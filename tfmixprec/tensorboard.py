@@ -100,12 +100,14 @@ class TensorBoard(keras.callbacks.TensorBoard):
     logs (`loss_scale`, `overflow`, ...), which are written once, here, under
     `mixed_precision/`. At each write (every `update_freq` batches, or at epoch end with
     `update_freq="epoch"`), it writes `mixed_precision/loss_scale`, `log2_loss_scale`,
-    `overflow`, `overflow_steps` (total), after a write interval with overflows
-    `layer_overflow_steps/<layer>` (each layer's total from `tfmixprec.overflow_report`) and,
+    `overflow_steps` (total), and after a write interval with overflows `overflow` (their
+    number; never 0, so TensorBoard's outlier setting cannot hide an event),
+    `layer_overflow_steps/<layer>` (each layer's total from `tfmixprec.overflow_report`) and
+    an `overflow_report` text; and,
     with a `GradientRangeMonitor`, `mixed_precision/grad_underflow_fraction`,
     `grad_subnormal_fraction` and a log2|g| histogram. `overflow` has the meaning it has in
     the logs: the number of overflow (skipped) steps in the span the value covers (one step in
-    batch logs, so 0 or 1; the write interval here, so 0 or 1 at each step with
+    batch logs, so 0 or 1; the write interval here, so 1 at each overflow step with
     `update_freq=1`). It also writes a custom-scalars layout named "Mixed precision". Batches
     where it does not write cost no host sync. The step axis is the global batch (the epoch
     with `"epoch"`).
@@ -202,6 +204,13 @@ class TensorBoard(keras.callbacks.TensorBoard):
             summary = custom_scalar_summary.pb(dashboard_layout())
             tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=0)
 
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self.update_freq != "epoch":  # overflows after the last write: written now
+            opt = _loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
+            if opt.read_state()["overflow_steps"] > self._last_overflow_total:
+                self._write(tensorboard_step(self))
+        super().on_train_end(logs)
+
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if tensorboard_batch_work(self):
             super().on_train_batch_end(batch, _without_loss_scale(logs))
@@ -231,9 +240,12 @@ class TensorBoard(keras.callbacks.TensorBoard):
         with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
             tf.summary.scalar(TAGS["loss_scale"], state["loss_scale"], step=step)
             tf.summary.scalar(TAGS["log2_loss_scale"], math.log2(state["loss_scale"]), step=step)
-            tf.summary.scalar(TAGS["overflow"], float(total - self._last_overflow_total), step=step)
             tf.summary.scalar(TAGS["overflow_steps"], float(total), step=step)
-            if total > self._last_overflow_total:  # the per-layer counts changed
+            if total > self._last_overflow_total:  # overflows in this interval
+                # Written only here, never as 0: a chart of events alone is never clipped
+                # by TensorBoard's "ignore outliers" (on by default), which hides rare 1s.
+                events = float(total - self._last_overflow_total)
+                tf.summary.scalar(TAGS["overflow"], events, step=step)
                 report = overflow_report(self.model)
                 for row in report.layers:
                     tag = f"{TAGS['layer_overflow_steps']}/{row.layer}"

@@ -1,0 +1,15 @@
+"""Text the reports share: markdown tables (audit, overflow report, diagnosis)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__: list[str] = []  # private module: nothing here is part of the package's API
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """The lines of a markdown table: the header, its rule, then one line a row."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines
