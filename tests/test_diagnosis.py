@@ -5,6 +5,7 @@ import json
 import keras
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
 
 import tfmixprec
 
@@ -232,3 +233,77 @@ def test_overflow_scale_without_a_recorded_scale_is_the_current_one():
     optimizer = model.optimizer
     optimizer.consecutive_overflows.assign(1)  # as restored from a checkpoint without it
     assert optimizer.overflow_scale() == 64.0
+
+
+def _bad_run_model(jit_compile=False):
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, name="big")(inputs)
+        outputs = keras.layers.Dense(1, name="out", dtype="float32")(hidden)
+        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+        optimizer = tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0)
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    x[9, 0] = 1e6  # batch 1: finite, but not in float16
+    x[25, 1] = np.nan  # batch 3: bad data
+    return model, x, np.ones((32, 1), "float32")
+
+
+def test_callbacks_replay_overflow_steps_automatically(tmp_path, capsys):
+    model, x, y = _bad_run_model()
+    monitor = tfmixprec.LossScaleMonitor(verbose=1, update_freq=100, diagnose=3)
+    board = tfmixprec.TensorBoard(str(tmp_path), update_freq=1, diagnose=1)
+    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[monitor, board])
+    model.fit(x, y, **fit)
+    found = [(step, d.cause, d.layer, d.loss_scale) for step, d in monitor.diagnoses]
+    assert found == [  # the cap: 3 of the 4 overflow steps
+        (1, "forward-overflow", "big", 8.0),
+        (3, "bad-data", None, 4.0),
+        (5, "forward-overflow", "big", 2.0),
+    ]
+    printed = [line for line in capsys.readouterr().out.splitlines() if "0-based" in line]
+    assert printed[1].startswith("overflow step 3 (0-based, skipped steps counted): bad-data")
+    acc = event_accumulator.EventAccumulator(
+        str(tmp_path / "train"), size_guidance={event_accumulator.TENSORS: 0}
+    )
+    acc.Reload()
+    texts = [
+        (e.step, e.tensor_proto.string_val[0].decode())
+        for e in acc.Tensors("mixed_precision/diagnosis")
+    ]
+    assert [step for step, _ in texts] == [2]  # its own cap: 1, at the batch it happened
+    assert texts[0][1].startswith("**forward-overflow** in `big`")
+    model.fit(x, y, **fit)  # the cap is per fit
+    assert len(monitor.diagnoses) == 6
+
+
+def test_keeping_overflow_batches_keeps_the_data_and_stops():
+    model, x, y = _bad_run_model()
+    keeper = model.keep_overflow_batches(1)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    (kept,) = keeper.kept
+    assert (kept.step, kept.scale) == (1, 8.0)
+    np.testing.assert_array_equal(kept.batch[0], x[8:16])
+    np.testing.assert_array_equal(kept.batch[1], y[8:16])
+    assert kept.batch[2] is None
+    assert model.keep_overflow_batches(0) is None
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert len(keeper.kept) == 1  # no longer kept
+
+
+def test_automatic_diagnosis_bad_input():
+    with pytest.raises(ValueError, match=r"diagnose must be an int >= 0.*Received: diagnose=-1"):
+        tfmixprec.LossScaleMonitor(diagnose=-1)
+    with pytest.raises(ValueError, match="Received: diagnose=True"):
+        tfmixprec.TensorBoard("logs", diagnose=True)
+    model, x, y = _bad_run_model(jit_compile=True)
+    with pytest.raises(ValueError, match="Compile with jit_compile=False"):
+        model.keep_overflow_batches(2)
+    with pytest.raises(ValueError, match="limit must be an int >= 0. Received: limit=-2"):
+        model.keep_overflow_batches(-2)
+    plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    plain.compile(optimizer=tfmixprec.LossScaleOptimizer("sgd"), loss="mse")
+    monitor = tfmixprec.LossScaleMonitor(diagnose=1)
+    with pytest.raises(TypeError, match="only tfmixprec's train_step keeps"):
+        plain.fit(x, y, epochs=1, verbose=0, callbacks=[monitor])

@@ -237,11 +237,11 @@ def test_config_round_trip_holds_every_keras_argument(tmp_path):
     assert sorted(values) == sorted(KERAS_ARGUMENTS)
     assert all(values[name] != defaults[name].default for name in values)  # none at default
     monitor = tfmixprec.GradientRangeMonitor((np.ones((1, 3)), np.ones((1, 2))))
-    callback = tfmixprec.TensorBoard(gradient_monitor=monitor, **values)
+    callback = tfmixprec.TensorBoard(gradient_monitor=monitor, diagnose=2, **values)
     config = callback.get_config()
     # As the instance holds it: a profile_batch pair as a list (what JSON gives back);
-    # gradient_monitor left out (it holds a data batch).
-    assert config == {**values, "profile_batch": [2, 4]}
+    # gradient_monitor left out (it holds a data batch); tfmixprec's own diagnose kept.
+    assert config == {**values, "profile_batch": [2, 4], "diagnose": 2}
     restored = tfmixprec.TensorBoard.from_config(config)
     assert restored.get_config() == config
     assert restored.gradient_monitor is None

@@ -12,7 +12,9 @@ from tfmixprec.attribution import overflow_report
 from tfmixprec.audit import audit
 from tfmixprec.callbacks import LossScaleMonitor
 from tfmixprec.callbacks import OverflowGuard
+from tfmixprec.diagnosis import KeptBatch
 from tfmixprec.diagnosis import LayerReplay
+from tfmixprec.diagnosis import OverflowBatches
 from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.diagnosis import explain_overflow
 from tfmixprec.doctor import DoctorReport
@@ -47,6 +49,7 @@ __all__ = [
     "GradientRangeMonitor",
     "GradientRangeStats",
     "HardwareInfo",
+    "KeptBatch",
     "LayerDtypes",
     "LayerOverflows",
     "LayerReplay",
@@ -56,6 +59,7 @@ __all__ = [
     "MixedPrecisionFunctional",
     "MixedPrecisionMixin",
     "MixedPrecisionModel",
+    "OverflowBatches",
     "OverflowDiagnosis",
     "OverflowGuard",
     "OverflowReport",

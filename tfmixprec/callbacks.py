@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.attribution import overflow_report
+from tfmixprec.diagnosis import OverflowDiagnosis, explain_overflow
 from tfmixprec.loss_scale import LOG_KEYS, format_scale
 from tfmixprec.optimizer import LossScaleOptimizer
 
@@ -46,6 +47,47 @@ class _EpochOverflows:
 
     def count(self, opt: LossScaleOptimizer) -> float:
         return float(opt.read_state()["overflow_steps"] - self._start)
+
+
+class _Diagnoser:
+    """Replays the batches of overflow steps that the model keeps (see
+    `MixedPrecisionModel.keep_overflow_batches`) with `explain_overflow`, `limit` per `fit`."""
+
+    def __init__(self, limit: int, who: str) -> None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(
+                "diagnose must be an int >= 0: how many overflow steps to replay per fit "
+                f"(0: none). Received: diagnose={limit!r}"
+            )
+        self.limit, self.who = limit, who
+        self._keeper: Any = None
+        self._seen = 0
+
+    def start(self, model: Any) -> None:
+        self._keeper, self._seen = None, 0
+        if not self.limit:
+            return
+        if not hasattr(model, "keep_overflow_batches"):
+            raise TypeError(
+                f"{self.who}(diagnose={self.limit}) replays the batch of an overflow step, "
+                "which only tfmixprec's train_step keeps: use tfmixprec.MixedPrecisionModel "
+                "(or call tfmixprec.explain_overflow(model, batch) yourself). Received: "
+                f"model of type {type(model).__name__}"
+            )
+        self._keeper = model.keep_overflow_batches(self.limit)
+
+    def new(self, model: Any) -> list[tuple[int, OverflowDiagnosis]]:
+        """Diagnoses of the overflow steps kept since the last call (no device read)."""
+        if self._keeper is None or self._seen >= min(len(self._keeper.kept), self.limit):
+            return []
+        fresh = self._keeper.kept[self._seen : self.limit]
+        self._seen += len(fresh)
+        return [(k.step, explain_overflow(model, k.batch, scale=k.scale)) for k in fresh]
+
+    def stop(self, model: Any) -> None:
+        if self._keeper is not None and getattr(model, "_overflow_batches", None) is not None:
+            model.keep_overflow_batches(0)
+        self._keeper = None
 
 
 class _FitWatch(keras.callbacks.Callback):
@@ -91,24 +133,34 @@ class LossScaleMonitor(keras.callbacks.Callback):
     logs; the write interval in TensorBoard); `overflow_steps`, the total since the optimizer
     was created; `skipped_fraction`, `overflow_steps` over all steps.
 
+    With `diagnose=N` (a `MixedPrecisionModel` compiled without XLA), the batches of the
+    first N overflow steps of each `fit` are kept on the host and replayed with
+    `tfmixprec.explain_overflow` right after their step: the results go to `diagnoses` as
+    `(step, OverflowDiagnosis)` and, with `verbose=1`, are printed.
+
     Args:
         verbose: Int. 0 (silent) or 1 (print overflow events).
         update_freq: Int. Batches between reports (the only host reads it makes).
+        diagnose: Int >= 0. Overflow steps to replay per `fit` (0: none).
 
     Raises:
-        ValueError: If `verbose` is not 0 or 1, or `update_freq` is not an integer >= 1.
+        ValueError: If `verbose` is not 0 or 1, `update_freq` is not an integer >= 1, or
+            `diagnose` is not an integer >= 0.
 
     Example:
 
     >>> model.fit(x, y, callbacks=[tfmixprec.LossScaleMonitor(verbose=1)])
     """
 
-    def __init__(self, verbose: int = 0, update_freq: int = 100) -> None:
+    def __init__(self, verbose: int = 0, update_freq: int = 100, diagnose: int = 0) -> None:
         super().__init__()
         if verbose not in (0, 1):
             raise ValueError(f"verbose must be 0 or 1. Received: verbose={verbose!r}")
         self.verbose = verbose
         self.update_freq = check_int_at_least_one("update_freq", update_freq)
+        self.diagnose = diagnose
+        self._diagnoser = _Diagnoser(diagnose, "LossScaleMonitor")
+        self.diagnoses: list[tuple[int, OverflowDiagnosis]] = []
         self.events: list[str] = []
         self._step = 0
         self._reported = (0, None)
@@ -117,7 +169,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._epoch = _EpochOverflows()
 
     def get_config(self) -> dict[str, Any]:
-        return {"verbose": self.verbose, "update_freq": self.update_freq}
+        return {"verbose": self.verbose, "update_freq": self.update_freq, "diagnose": self.diagnose}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> LossScaleMonitor:
@@ -128,6 +180,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._step = 0
         state = opt.read_state()
         self._reported = (state["overflow_steps"], state["loss_scale"])
+        self._diagnoser.start(self.model)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._diagnoser.stop(self.model)
 
     def _values(self, opt: LossScaleOptimizer) -> dict[str, Any]:
         # One compiled call per batch instead of several eager ops: the values stay on the
@@ -147,6 +203,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
             logs.update(self._values(opt))
         if self._step % self.update_freq == 0:
             self._report(opt)
+        for step, diagnosis in self._diagnoser.new(self.model):
+            self.diagnoses.append((step, diagnosis))
+            if self.verbose:
+                print(f"overflow step {step} (0-based, skipped steps counted): {diagnosis}")
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch.begin(_loss_scale_optimizer_of(self.model, "LossScaleMonitor"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ from tfmixprec._validate import check_float32_scale
 from tfmixprec.gradient_range import gradient_range_stats
 from tfmixprec.loss_scale import format_scale, multiply
 
-__all__ = ["LayerReplay", "OverflowDiagnosis", "explain_overflow"]
+__all__ = ["KeptBatch", "LayerReplay", "OverflowBatches", "OverflowDiagnosis", "explain_overflow"]
 
 CAUSES = ("bad-data", "forward-overflow", "loss-overflow", "backward-overflow", "underflow", "none")
 UNDERFLOW_SHARE = 0.01  # at least this share of gradients flushing to zero is worth a word
@@ -488,3 +489,59 @@ def explain_overflow(
         underflow_fraction=underflow,
         layers=tuple(rows),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptBatch:
+    """The batch of one overflow step, kept on the host for a replay.
+
+    Attributes:
+        step: Int. The step (0-based, skipped steps counted, as the loss-scale counters).
+        scale: Float. The loss scale that step used.
+        batch: Tuple `(x, y, sample_weight)` of NumPy arrays (`sample_weight` may be None).
+    """
+
+    step: int
+    scale: float
+    batch: tuple
+
+
+class OverflowBatches:
+    """Keeps the batches of the first `limit` overflow steps on the host (thread-safe: replicas
+    run in threads). `MixedPrecisionModel.keep_overflow_batches` puts one in the step.
+
+    Args:
+        limit: Int >= 1. How many batches to keep at the most.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept: list[KeptBatch] = []
+        self._lock = threading.Lock()
+
+    def keep_if_overflow(self, data: Any, optimizer: Any) -> None:
+        """In the step, after `apply`: if the step overflowed, copies its batch to the host.
+
+        Builds a `tf.cond` on the step's overflow flag whose true branch is a `py_function`
+        (so it needs a step without XLA); a clean step only evaluates the flag.
+        """
+        batch = keras.utils.unpack_x_y_sample_weight(data)
+        flat = tf.nest.flatten(batch)
+        tensors = [tensor for tensor in flat if tensor is not None]
+        state = optimizer.snapshot()
+        scale, step = optimizer.last_overflow_scale, optimizer.last_overflow_step()
+
+        def keep(*values: Any) -> None:
+            arrays = iter(value.numpy() for value in values[:-2])
+            rebuilt = [None if tensor is None else next(arrays) for tensor in flat]
+            packed = tuple(tf.nest.pack_sequence_as(batch, rebuilt))
+            kept = KeptBatch(int(values[-1]), float(values[-2]), packed)
+            with self._lock:
+                if len(self.kept) < self.limit:
+                    self.kept.append(kept)
+
+        def on_overflow() -> tf.Tensor:
+            tf.py_function(keep, [*tensors, scale, step], Tout=[])
+            return tf.constant(0)
+
+        tf.cond(state["overflow"] > 0, on_overflow, lambda: tf.constant(0))

@@ -25,6 +25,7 @@ from tfmixprec.loss_scale import (
     all_finite,
     check,
     nonfinite_flags,
+    read_now,
 )
 
 __all__ = ["LossScaleOptimizer"]
@@ -185,6 +186,15 @@ class _LossScaleReadout:
     overflow_steps = property(lambda self: self._loss_scale.overflow_steps, doc="Skipped steps.")
     consecutive_overflows = property(lambda self: self._loss_scale.consecutive_overflows)
     last_overflow_iteration = property(lambda self: self._loss_scale.last_overflow_iteration)
+    last_overflow_scale = property(
+        lambda self: self._loss_scale.last_overflow_scale, doc="The scale the last overflow used."
+    )
+
+    def last_overflow_step(self) -> tf.Tensor:
+        """The last overflow step (0-based, skipped steps counted), read in the graph."""
+        overflows = read_now(self._loss_scale.overflow_steps)
+        iteration = tf.cast(read_now(self.last_overflow_iteration), overflows.dtype)
+        return iteration + overflows - 1
 
     def snapshot(self) -> dict[str, tf.Tensor]:
         """The loss-scale values for logs, read in the graph (no host sync; after `apply`

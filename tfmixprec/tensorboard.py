@@ -15,7 +15,7 @@ from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
 from tfmixprec._keras_compat import tensorboard_batch_work, tensorboard_step, tensorboard_writer
 from tfmixprec.attribution import overflow_report
-from tfmixprec.callbacks import _loss_scale_optimizer_of
+from tfmixprec.callbacks import _Diagnoser, _loss_scale_optimizer_of
 from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.gradient_range import GradientRangeMonitor
 from tfmixprec.loss_scale import LOG_KEYS
@@ -121,12 +121,16 @@ class TensorBoard(keras.callbacks.TensorBoard):
         gradient_monitor: `GradientRangeMonitor`. Driven by this callback (it calls
             `gradient_monitor.drive_from(self)`): this callback steps it once per batch and
             writes its measurements; passing it to `fit` as well does not measure twice.
+        diagnose: Int >= 0. Overflow steps per `fit` whose batch is replayed with
+            `tfmixprec.explain_overflow` and written as a `mixed_precision/diagnosis` text at
+            its step (a `MixedPrecisionModel` compiled without XLA; 0: none).
         **kwargs: Any other argument of `keras.callbacks.TensorBoard` (`update_freq`,
             `histogram_freq`, `profile_batch`, ...).
 
     Raises:
         TypeError: If `gradient_monitor` is not a `GradientRangeMonitor`.
-        ValueError: If `update_freq` is not `"epoch"`, `"batch"` or an integer >= 1, or
+        ValueError: If `update_freq` is not `"epoch"`, `"batch"` or an integer >= 1,
+            `diagnose` is not an integer >= 0, or
             `gradient_monitor` is already driven by another callback.
 
     Example:
@@ -139,8 +143,10 @@ class TensorBoard(keras.callbacks.TensorBoard):
         self,
         log_dir: str = "logs",
         gradient_monitor: GradientRangeMonitor | None = None,
+        diagnose: int = 0,
         **kwargs: Any,
     ) -> None:
+        diagnoser = _Diagnoser(diagnose, "tfmixprec.TensorBoard")  # checks it first
         if gradient_monitor is not None and not isinstance(gradient_monitor, GradientRangeMonitor):
             raise TypeError(
                 "gradient_monitor must be a tfmixprec.GradientRangeMonitor. Received: "
@@ -163,6 +169,8 @@ class TensorBoard(keras.callbacks.TensorBoard):
         self._last_overflow_total = 0
         self._grad_measured_at: int | None = None
         self._epoch = 0
+        self.diagnose = diagnose
+        self._diagnoser = diagnoser
 
     def get_config(self) -> dict[str, Any]:
         """Every argument of `keras.callbacks.TensorBoard`, as this callback holds it.
@@ -170,8 +178,8 @@ class TensorBoard(keras.callbacks.TensorBoard):
         Returns:
             Dict with `log_dir`, `histogram_freq`, `write_graph`, `write_images`,
             `write_steps_per_second`, `update_freq` (`"batch"` is held as 1),
-            `profile_batch` (a pair as a list), `embeddings_freq` and `embeddings_metadata`.
-            `gradient_monitor` is not in it (not serializable: it holds a data batch).
+            `profile_batch` (a pair as a list), `embeddings_freq`, `embeddings_metadata` and
+            `diagnose`. `gradient_monitor` is not in it (not serializable: it holds a data batch).
         """
         return {
             "log_dir": self.log_dir,
@@ -183,6 +191,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
             "profile_batch": self.profile_batch,
             "embeddings_freq": self.embeddings_freq,
             "embeddings_metadata": self.embeddings_metadata,
+            "diagnose": self.diagnose,
         }
 
     @classmethod
@@ -198,6 +207,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
         super().on_train_begin(logs)
         opt = _loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
         self._last_overflow_total = opt.read_state()["overflow_steps"]
+        self._diagnoser.start(self.model)
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
         with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
@@ -205,6 +215,7 @@ class TensorBoard(keras.callbacks.TensorBoard):
             tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=0)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        self._diagnoser.stop(self.model)
         if self.update_freq != "epoch":  # overflows after the last write: written now
             opt = _loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
             if opt.read_state()["overflow_steps"] > self._last_overflow_total:
@@ -216,6 +227,8 @@ class TensorBoard(keras.callbacks.TensorBoard):
             super().on_train_batch_end(batch, _without_loss_scale(logs))
         # else: with update_freq="epoch", Keras's callback would only issue per-batch
         # summaries that its writer discards (about 0.1 ms each, every batch): skipped.
+        for _, diagnosis in self._diagnoser.new(self.model):
+            self.write_diagnosis(diagnosis, self._current_step())
         measured = False
         if self.gradient_monitor is not None:
             measured = self.gradient_monitor.step(logs if isinstance(logs, dict) else None)

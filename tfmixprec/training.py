@@ -20,6 +20,7 @@ from tfmixprec import cpu_float16
 from tfmixprec._keras_compat import Functional, functional_init_arguments
 from tfmixprec._layers import iter_layers
 from tfmixprec.callbacks import _FitWatch
+from tfmixprec.diagnosis import OverflowBatches
 from tfmixprec.optimizer import LossScaleOptimizer
 
 __all__ = [
@@ -189,7 +190,51 @@ class MixedPrecisionMixin:
             )
         logs = dict(super().train_step(data))
         logs.update(self.optimizer.snapshot())
+        keeper = getattr(self, "_overflow_batches", None)  # set before tracing, see below
+        if keeper is not None:
+            keeper.keep_if_overflow(data, self.optimizer)
         return logs
+
+    def keep_overflow_batches(self, limit: int) -> OverflowBatches | None:
+        """From the next traced step on, keeps the batches of the first `limit` overflow
+        steps on the host, for `tfmixprec.explain_overflow` (the callbacks' `diagnose=`
+        switch uses this). `limit=0` stops keeping. Either way the step is traced again.
+
+        A clean step costs one more read of the overflow flag; an overflow step copies its
+        batch to the host (a `py_function`), so it needs a step without XLA.
+
+        Args:
+            limit: Int >= 0. How many overflow batches to keep at the most.
+
+        Returns:
+            The `OverflowBatches` whose `kept` list fills as overflow steps happen, or None.
+
+        Raises:
+            ValueError: If `limit` is not an int >= 0, the model compiles its step with XLA
+                (`jit_compile=True`), or it runs under a multi-replica strategy.
+        """
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(f"limit must be an int >= 0. Received: limit={limit!r}")
+        if limit and getattr(self, "jit_compile", False):
+            raise ValueError(
+                "Keeping the batch of an overflow step copies it to the host inside the step, "
+                "which XLA cannot compile. Compile with jit_compile=False to diagnose "
+                f"overflows automatically. Received: jit_compile={self.jit_compile!r}"
+            )
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        if limit and replicas > 1:
+            raise ValueError(
+                "Keeping the batch of an overflow step is not supported under a strategy with "
+                f"{replicas} replicas yet; call tfmixprec.explain_overflow(model, batch) on "
+                "the batch yourself."
+            )
+        current = getattr(self, "_overflow_batches", None)
+        if limit and current is not None:  # a second reader: the same batches
+            current.limit = max(current.limit, limit)
+            return current
+        self._overflow_batches = OverflowBatches(limit) if limit else None
+        self.make_train_function(force=True)  # traced again, with or without the keeping
+        return self._overflow_batches
 
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
