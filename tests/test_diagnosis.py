@@ -307,3 +307,62 @@ def test_automatic_diagnosis_bad_input():
     monitor = tfmixprec.LossScaleMonitor(diagnose=1)
     with pytest.raises(TypeError, match="only tfmixprec's train_step keeps"):
         plain.fit(x, y, epochs=1, verbose=0, callbacks=[monitor])
+
+
+class _RaiseAt(keras.callbacks.Callback):
+    def __init__(self, batch):
+        super().__init__()
+        self.at = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            raise RuntimeError("stop here")
+
+
+def test_a_failed_fit_leaves_no_keeping_behind():
+    model, x, y = _bad_run_model()
+    monitor = tfmixprec.LossScaleMonitor(diagnose=2)
+    with pytest.raises(RuntimeError, match="stop here"):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor, _RaiseAt(1)])
+    fresh = tfmixprec.LossScaleMonitor(diagnose=1)
+    x2 = x.copy()
+    x2[9, 0] = 0.0  # this time only the NaN batch (3) overflows
+    model.fit(x2, y, batch_size=8, shuffle=False, verbose=0, callbacks=[fresh])
+    assert [(d.cause) for _, d in fresh.diagnoses] == ["bad-data"]  # not the old batch 1
+
+
+def test_a_batch_that_cannot_be_replayed_never_stops_training():
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        first = keras.layers.Dense(1, name="o1", dtype="float32")(inputs)
+        second = keras.layers.Dense(1, name="o2", dtype="float32")(inputs)
+        model = tfmixprec.MixedPrecisionModel(inputs, {"o1": first, "o2": second})
+        model.compile(optimizer="sgd", loss={"o1": "mse", "o2": "mae"}, jit_compile=False)
+    x = np.ones((16, 8), "float32")
+    x[1, 0] = np.nan
+    y = {"o1": np.ones((16, 1), "float32"), "o2": np.ones((16, 1), "float32")}
+    monitor = tfmixprec.LossScaleMonitor(diagnose=2)
+    with pytest.warns(
+        RuntimeWarning, match="could not replay overflow step 0, so diagnose= is off"
+    ):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor])
+    assert monitor.diagnoses == []
+    assert model.optimizer.read_state()["iterations"] == 1  # the second batch trained
+
+
+@pytest.mark.parametrize("case", ["jit_compile", "accumulation"])
+def test_diagnose_where_batches_cannot_be_kept_warns_and_trains(case):
+    model, x, y = _bad_run_model(jit_compile=case == "jit_compile")
+    if case == "accumulation":
+        model.compile(
+            optimizer=tfmixprec.LossScaleOptimizer("sgd", accumulation_steps=2),
+            loss="mse",
+            jit_compile=False,
+        )
+        with pytest.raises(ValueError, match="Received: accumulation_steps=2"):
+            model.keep_overflow_batches(1)
+    monitor = tfmixprec.LossScaleMonitor(diagnose=2)
+    with pytest.warns(RuntimeWarning, match="diagnose= is off for this fit"):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor])
+    assert monitor.diagnoses == [] and model.optimizer.read_state()["overflow_steps"] >= 1

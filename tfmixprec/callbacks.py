@@ -7,6 +7,7 @@ their logging interval (values put into `logs` on other batches are tensors, not
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import keras
@@ -61,10 +62,10 @@ class _Diagnoser:
             )
         self.limit, self.who = limit, who
         self._keeper: Any = None
-        self._seen = 0
+        self._first = self._done = 0
 
     def start(self, model: Any) -> None:
-        self._keeper, self._seen = None, 0
+        self._keeper, self._first, self._done = None, 0, 0
         if not self.limit:
             return
         if not hasattr(model, "keep_overflow_batches"):
@@ -74,19 +75,35 @@ class _Diagnoser:
                 "(or call tfmixprec.explain_overflow(model, batch) yourself). Received: "
                 f"model of type {type(model).__name__}"
             )
-        self._keeper = model.keep_overflow_batches(self.limit)
+        self._keeper = model._keep_for_callbacks(self.limit)
+        self._first = len(self._keeper.kept) if self._keeper is not None else 0
 
     def new(self, model: Any) -> list[tuple[int, OverflowDiagnosis]]:
-        """Diagnoses of the overflow steps kept since the last call (no device read)."""
-        if self._keeper is None or self._seen >= min(len(self._keeper.kept), self.limit):
+        """Diagnoses of the overflow steps kept since the last call (no device read). A
+        batch that cannot be replayed ends the replay for this `fit` with a warning; it never
+        stops training."""
+        if self._keeper is None or self._done >= self.limit:
             return []
-        fresh = self._keeper.kept[self._seen : self.limit]
-        self._seen += len(fresh)
-        return [(k.step, explain_overflow(model, k.batch, scale=k.scale)) for k in fresh]
+        fresh = self._keeper.kept[self._first + self._done : self._first + self.limit]
+        self._done += len(fresh)
+        found = []
+        for kept in fresh:
+            try:
+                found.append((kept.step, explain_overflow(model, kept.batch, scale=kept.scale)))
+            except (TypeError, ValueError) as err:
+                warnings.warn(
+                    f"{self.who} could not replay overflow step {kept.step}, so diagnose= is "
+                    f"off for the rest of this fit (training goes on): {err}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._done = self.limit
+                break
+        return found
 
     def stop(self, model: Any) -> None:
-        if self._keeper is not None and getattr(model, "_overflow_batches", None) is not None:
-            model.keep_overflow_batches(0)
+        if self._keeper is not None:
+            model._stop_keeping_for_callbacks()
         self._keeper = None
 
 

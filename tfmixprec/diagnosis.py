@@ -512,10 +512,13 @@ class OverflowBatches:
 
     Args:
         limit: Int >= 1. How many batches to keep at the most.
+        owner: String. `"user"` (`keep_overflow_batches`) or `"callbacks"` (a `diagnose=`
+            switch, for the length of a `fit`).
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, owner: str = "user") -> None:
         self.limit = limit
+        self.owner = owner
         self.kept: list[KeptBatch] = []
         self._lock = threading.Lock()
 
@@ -532,6 +535,8 @@ class OverflowBatches:
         scale, step = optimizer.last_overflow_scale, optimizer.last_overflow_step()
 
         def keep(*values: Any) -> None:
+            if len(self.kept) >= self.limit:
+                return  # full: no copy
             arrays = iter(value.numpy() for value in values[:-2])
             rebuilt = [None if tensor is None else next(arrays) for tensor in flat]
             packed = tuple(tf.nest.pack_sequence_as(batch, rebuilt))

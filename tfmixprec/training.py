@@ -9,6 +9,7 @@ state machine. The logs gain the optimizer's `snapshot()`: `loss_scale`, `overfl
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -171,7 +172,10 @@ class MixedPrecisionMixin:
         batches."""
         if isinstance(getattr(self, "optimizer", None), LossScaleOptimizer):
             args, kwargs = _with_fit_watch(args, kwargs)
-        return super().fit(*args, **kwargs)
+        try:
+            return super().fit(*args, **kwargs)
+        finally:  # Keras skips on_train_end when fit raises: the callbacks' keeping ends here
+            self._stop_keeping_for_callbacks()
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         """Recompiles a loaded model (`keras.models.load_model`) through `compile`."""
@@ -197,8 +201,9 @@ class MixedPrecisionMixin:
 
     def keep_overflow_batches(self, limit: int) -> OverflowBatches | None:
         """From the next traced step on, keeps the batches of the first `limit` overflow
-        steps on the host, for `tfmixprec.explain_overflow` (the callbacks' `diagnose=`
-        switch uses this). `limit=0` stops keeping. Either way the step is traced again.
+        steps on the host, for `tfmixprec.explain_overflow`. `limit=0` stops keeping. Either
+        way the step is traced again. (The callbacks' `diagnose=` switch keeps batches the
+        same way for the length of a `fit`, or reads the ones kept here.)
 
         A clean step costs one more read of the overflow flag; an overflow step copies its
         batch to the host (a `py_function`), so it needs a step without XLA.
@@ -211,30 +216,66 @@ class MixedPrecisionMixin:
 
         Raises:
             ValueError: If `limit` is not an int >= 0, the model compiles its step with XLA
-                (`jit_compile=True`), or it runs under a multi-replica strategy.
+                (`jit_compile=True`), runs under a multi-replica strategy, or its optimizer
+                accumulates gradients.
         """
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise ValueError(f"limit must be an int >= 0. Received: limit={limit!r}")
-        if limit and getattr(self, "jit_compile", False):
-            raise ValueError(
-                "Keeping the batch of an overflow step copies it to the host inside the step, "
-                "which XLA cannot compile. Compile with jit_compile=False to diagnose "
-                f"overflows automatically. Received: jit_compile={self.jit_compile!r}"
-            )
-        replicas = self.distribute_strategy.num_replicas_in_sync
-        if limit and replicas > 1:
-            raise ValueError(
-                "Keeping the batch of an overflow step is not supported under a strategy with "
-                f"{replicas} replicas yet; call tfmixprec.explain_overflow(model, batch) on "
-                "the batch yourself."
-            )
+        reason = _cannot_keep_batches(self) if limit else None
+        if reason is not None:
+            raise ValueError(reason)
+        return _set_keeper(self, OverflowBatches(limit, "user") if limit else None)
+
+    def _keep_for_callbacks(self, limit: int) -> OverflowBatches | None:
+        """For the callbacks' `diagnose=`: the batches kept already (the user's, or another
+        callback's), else a keeper for this `fit`; None, with a warning, where batches cannot
+        be kept (training goes on without the replay)."""
         current = getattr(self, "_overflow_batches", None)
-        if limit and current is not None:  # a second reader: the same batches
-            current.limit = max(current.limit, limit)
+        if current is not None:
+            if current.owner == "callbacks":
+                current.limit = max(current.limit, limit)
             return current
-        self._overflow_batches = OverflowBatches(limit) if limit else None
-        self.make_train_function(force=True)  # traced again, with or without the keeping
-        return self._overflow_batches
+        reason = _cannot_keep_batches(self)
+        if reason is not None:
+            warnings.warn(f"diagnose= is off for this fit: {reason}", RuntimeWarning, stacklevel=3)
+            return None
+        return _set_keeper(self, OverflowBatches(limit, "callbacks"))
+
+    def _stop_keeping_for_callbacks(self) -> None:
+        current = getattr(self, "_overflow_batches", None)
+        if current is not None and current.owner == "callbacks":
+            _set_keeper(self, None)
+
+
+def _cannot_keep_batches(model: Any) -> str | None:
+    """Why the step cannot keep the batch of an overflow step, or None."""
+    if getattr(model, "jit_compile", False):
+        return (
+            "keeping the batch of an overflow step copies it to the host inside the step, "
+            "which XLA cannot compile. Compile with jit_compile=False to diagnose overflows "
+            f"automatically. Received: jit_compile={model.jit_compile!r}"
+        )
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if replicas > 1:
+        return (
+            "keeping the batch of an overflow step is not supported under a strategy with "
+            f"{replicas} replicas yet; call tfmixprec.explain_overflow(model, batch) on the "
+            "batch yourself."
+        )
+    steps = getattr(getattr(model, "optimizer", None), "accumulation_steps", 1)
+    if steps > 1:
+        return (
+            "with gradient accumulation an overflow is known only at the window's end, after "
+            "the micro-batch that caused it; keeping batches is not supported there yet. "
+            f"Received: accumulation_steps={steps}"
+        )
+    return None
+
+
+def _set_keeper(model: Any, keeper: OverflowBatches | None) -> OverflowBatches | None:
+    model._overflow_batches = keeper  # read while tracing `train_step`
+    model.make_train_function(force=True)  # traced again, with or without the keeping
+    return keeper
 
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
