@@ -15,6 +15,10 @@ weight, optimizer slot or loss scale. It looks, in this order, for:
 - `underflow`: nothing overflows, but a large share of the scaled gradients (measured in
   float32) is below float16's smallest subnormal, 2^-24, and would flush to zero;
 - `none`: the batch replays finite at this scale with little underflow.
+
+`OverflowBatches` keeps the batches of overflow steps on the host, from inside the training
+step (`MixedPrecisionModel.keep_overflow_batches`, and the callbacks' `diagnose=` switch), so
+they can be replayed right after the step.
 """
 
 from __future__ import annotations
