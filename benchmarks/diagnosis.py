@@ -63,11 +63,18 @@ def classifier_with_nan_label() -> tuple[keras.Model, tuple, str]:
     return model, (x, y), "bad-data"
 
 
+def _dense_stack(
+    hidden: keras.KerasTensor, depth: int, width: int, activation: str
+) -> keras.KerasTensor:
+    """`depth` Dense layers named dense_0, dense_1, ... on top of `hidden`."""
+    for i in range(depth):
+        hidden = keras.layers.Dense(width, activation=activation, name=f"dense_{i}")(hidden)
+    return hidden
+
+
 def mlp_at_a_high_scale() -> tuple[keras.Model, tuple, str]:
     inputs = keras.Input((64,))
-    hidden = inputs
-    for i in range(3):
-        hidden = keras.layers.Dense(128, activation="relu", name=f"dense_{i}")(hidden)
+    hidden = _dense_stack(inputs, depth=3, width=128, activation="relu")
     outputs = keras.layers.Dense(10, activation="softmax", dtype="float32", name="probs")(hidden)
     model = tfmixprec.MixedPrecisionModel(inputs, outputs, name="mlp")
     model.compile(
@@ -82,9 +89,7 @@ def mlp_at_a_high_scale() -> tuple[keras.Model, tuple, str]:
 
 def deep_mlp_with_tiny_gradients() -> tuple[keras.Model, tuple, str]:
     inputs = keras.Input((64,))
-    hidden = inputs
-    for i in range(6):
-        hidden = keras.layers.Dense(64, activation="tanh", name=f"dense_{i}")(hidden)
+    hidden = _dense_stack(inputs, depth=6, width=64, activation="tanh")
     outputs = keras.layers.Dense(10, dtype="float32", name="logits")(hidden)
     model = tfmixprec.MixedPrecisionModel(inputs, outputs, name="deep_mlp")
 

@@ -1,6 +1,7 @@
 """Overflow attribution: which variables' (layers') gradients were not finite, kept in the step."""
 
 import os
+import threading
 
 import keras
 import numpy as np
@@ -227,3 +228,14 @@ def test_report_errors_name_the_optimizer():
     keras_lso.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
     with pytest.raises(TypeError, match="Keras's own keras.optimizers.LossScaleOptimizer"):
         tfmixprec.overflow_report(keras_lso)
+
+
+def test_counts_are_exact_across_threads():
+    model, opt = _sgd_model()
+    variables = model.trainable_variables
+    step = tf.function(lambda g: opt.apply(g, variables))
+    for bad in ([0], [3]):  # each step from its own thread, as replicas and callbacks run
+        worker = threading.Thread(target=step, args=(_dense_grads(variables, bad),))
+        worker.start()
+        worker.join()
+    assert _counts(opt) == ([1, 0, 0, 1], [0, -1, -1, 1])

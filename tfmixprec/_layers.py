@@ -55,6 +55,16 @@ def is_container(layer: Any) -> bool:
     return bool(getattr(layer, "layers", None))
 
 
+def variable_owners(model: keras.Model) -> dict[int, Any]:
+    """`id(variable) -> the innermost layer that holds it` (a nested layer is walked after the
+    layer around it, so it wins), for the trainable variables of a built model."""
+    owners = {}
+    for layer in [model, *iter_layers(model)]:
+        for variable in layer.trainable_variables:
+            owners[id(variable)] = layer
+    return owners
+
+
 def output_layers(model: keras.Model) -> list[Any]:
     """The leaf layers whose outputs are the model's outputs.
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import keras
 
-from tfmixprec._layers import is_container, iter_layers
+from tfmixprec._layers import variable_owners
 from tfmixprec._text import markdown_table
 
 __all__ = ["LayerOverflows", "OverflowReport", "overflow_report"]
@@ -108,18 +108,6 @@ def _steps(count: int) -> str:
     return f"{count} overflow step{'' if count == 1 else 's'}"
 
 
-def _layer_names(model: keras.Model | None) -> dict[int, str]:
-    """`id(variable) -> name of the leaf layer that owns it`, for a built model."""
-    if model is None:
-        return {}
-    owners = {}
-    for layer in [model, *iter_layers(model)]:
-        if not is_container(layer):
-            for variable in layer.trainable_variables:
-                owners[id(variable)] = layer.name
-    return owners
-
-
 def _path_layer(variable: Any) -> str:
     path = getattr(variable, "path", None) or variable.name
     return path.rsplit("/", 1)[0] if "/" in path else path
@@ -129,7 +117,8 @@ def build_report(
     variables: Sequence[Any],
     counts: Sequence[int],
     last_steps: Sequence[int],
-    state: dict[str, Any],
+    overflow_steps: int,
+    last_overflow_step: int,
     model: keras.Model | None = None,
 ) -> OverflowReport:
     """Groups per-variable counts by layer (internal: the optimizer passes its state).
@@ -138,15 +127,17 @@ def build_report(
         variables: The optimizer's variables, in its order.
         counts: Per variable, the overflow steps its gradient was not finite in.
         last_steps: Per variable, the last such step, or -1.
-        state: The optimizer's `read_state()`.
+        overflow_steps: All overflow steps so far.
+        last_overflow_step: The last of them, or -1.
         model: The model whose layer names to use, or `None` for variable paths.
     """
-    owners = _layer_names(model)
+    owners = {} if model is None else variable_owners(model)
     rows: dict[str, dict[str, Any]] = {}
     for variable, count, last in zip(variables, counts, last_steps):
         if count <= 0:
             continue
-        name = owners.get(id(variable)) or _path_layer(variable)
+        owner = owners.get(id(variable))
+        name = owner.name if owner is not None else _path_layer(variable)
         row = rows.setdefault(name, {"count": 0, "last": -1, "variables": []})
         row["count"] = max(row["count"], int(count))
         row["last"] = max(row["last"], int(last))
@@ -156,9 +147,7 @@ def build_report(
         for name, row in rows.items()
     ]
     layers.sort(key=lambda row: (-row.overflow_steps, -row.last_step))
-    overflows = int(state["overflow_steps"])
-    last = int(state["last_overflow_iteration"]) + overflows - 1 if overflows else -1
-    return OverflowReport(overflows, last, tuple(layers))
+    return OverflowReport(overflow_steps, last_overflow_step, tuple(layers))
 
 
 def overflow_report(model: Any) -> OverflowReport:
@@ -194,6 +183,5 @@ def overflow_report(model: Any) -> OverflowReport:
             f"Received: {type(model).__name__} whose optimizer is {what}. Compile with "
             "tfmixprec.LossScaleOptimizer(...) or use tfmixprec.MixedPrecisionModel."
         )
-    variables, counts, last_steps = reader()
     owner = model if isinstance(model, keras.Model) else None
-    return build_report(variables, counts, last_steps, optimizer.read_state(), owner)
+    return optimizer.overflow_report(owner)

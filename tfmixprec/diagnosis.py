@@ -38,6 +38,7 @@ from tfmixprec._layers import (
     compiled_loss,
     iter_layers,
     loss_value,
+    variable_owners,
     watch_leaf_calls,
 )
 from tfmixprec._text import markdown_table
@@ -159,8 +160,13 @@ def _floats(value: Any) -> list[np.ndarray]:
     return arrays
 
 
+def _nonfinite(value: Any) -> int:
+    """How many NaN/Inf values the floating-point arrays in `value` hold."""
+    return sum(int((~np.isfinite(array)).sum()) for array in _floats(value))
+
+
 def _all_finite(value: Any) -> bool:
-    return all(np.isfinite(array).all() for array in _floats(value))
+    return _nonfinite(value) == 0
 
 
 def _output_stats(result: Any) -> tuple[float, int, int]:
@@ -213,18 +219,9 @@ def _in_float32(model: keras.Model, run: Callable[[], _Pass]) -> _Pass:
             layer.dtype_policy = policy
 
 
-def _owners(model: keras.Model) -> dict[int, Any]:
-    """`id(variable) -> the leaf layer that owns it`."""
-    owners = {}
-    for layer in iter_layers(model):
-        for variable in layer.trainable_variables:
-            owners[id(variable)] = layer  # the innermost layer that holds it (walked last)
-    return owners
-
-
 def _gradient_rows(model: keras.Model, grads: list[Any], grads32: list[Any]) -> dict[int, tuple]:
     """Per owning layer: (non-finite values at the scale, share of float32 values < 2^-24)."""
-    owners = _owners(model)
+    owners = variable_owners(model)
     per_layer: dict[int, tuple[list, list]] = {}
     for variable, grad, grad32 in zip(model.trainable_variables, grads, grads32):
         layer = owners.get(id(variable))
@@ -235,7 +232,7 @@ def _gradient_rows(model: keras.Model, grads: list[Any], grads32: list[Any]) -> 
         mine[1].append(grad32)
     rows = {}
     for key, (mine, mine32) in per_layer.items():
-        bad = sum(int((~np.isfinite(a)).sum()) for a in _floats(mine))
+        bad = _nonfinite(mine)
         rows[key] = (
             bad,
             gradient_range_stats([g for g in mine32 if g is not None]).underflow_fraction,
@@ -264,8 +261,7 @@ def _layer_rows(model: keras.Model, run: _Pass, run32: _Pass) -> list[LayerRepla
 
 def _bad_data(data: tuple) -> OverflowDiagnosis | None:
     for name, value in zip(("inputs", "labels", "sample weights"), data):
-        arrays = _floats(value)
-        bad = sum(int((~np.isfinite(a)).sum()) for a in arrays)
+        bad = _nonfinite(value)
         if bad:
             return _verdict(
                 "bad-data",
@@ -526,17 +522,16 @@ class OverflowBatches:
         self.kept: list[KeptBatch] = []
         self._lock = threading.Lock()
 
-    def keep_if_overflow(self, data: Any, optimizer: Any) -> None:
+    def keep_if_overflow(self, data: Any, overflowed: tf.Tensor, optimizer: Any) -> None:
         """In the step, after `apply`: if the step overflowed, copies its batch to the host.
 
-        Builds a `tf.cond` on the step's overflow flag whose true branch is a `py_function`
-        (so it needs a step without XLA); a clean step only evaluates the flag.
+        Builds a `tf.cond` on `overflowed` (the step's flag, from the logs' snapshot) whose
+        true branch reads the scale and step and is a `py_function` (so it needs a step
+        without XLA); a clean step only evaluates the flag.
         """
         batch = keras.utils.unpack_x_y_sample_weight(data)
         flat = tf.nest.flatten(batch)
         tensors = [tensor for tensor in flat if tensor is not None]
-        state = optimizer.snapshot()
-        scale, step = optimizer.last_overflow_scale, optimizer.last_overflow_step()
 
         def keep(*values: Any) -> None:
             if len(self.kept) >= self.limit:
@@ -550,7 +545,8 @@ class OverflowBatches:
                     self.kept.append(kept)
 
         def on_overflow() -> tf.Tensor:
+            scale, step = optimizer.last_overflow_scale, optimizer.last_overflow_step()
             tf.py_function(keep, [*tensors, scale, step], Tout=[])
             return tf.constant(0)
 
-        tf.cond(state["overflow"] > 0, on_overflow, lambda: tf.constant(0))
+        tf.cond(overflowed, on_overflow, lambda: tf.constant(0))

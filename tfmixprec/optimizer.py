@@ -230,10 +230,12 @@ class _LossScaleReadout:
             return last
         return float(self.loss_scale.numpy())
 
-    def overflow_report(self) -> OverflowReport:
-        """Per layer (named by its variables' paths), the overflow steps its gradients took
-        part in; see `tfmixprec.overflow_report(model)` for the model's layer names."""
-        return build_report(*self.overflow_sources(), self.read_state())
+    def overflow_report(self, model: keras.Model | None = None) -> OverflowReport:
+        """Per layer, the overflow steps its gradients took part in: layers named by `model`,
+        or by their variables' paths (`tfmixprec.overflow_report(model)` passes the model)."""
+        overflows = int(self.overflow_steps.numpy())
+        last = int(self.last_overflow_step().numpy()) if overflows else -1
+        return build_report(*self.overflow_sources(), overflows, last, model)
 
     # ------------------------------------------------------------ reporting
     def check_min_scale(self) -> None:

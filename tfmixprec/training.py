@@ -196,7 +196,7 @@ class MixedPrecisionMixin:
         logs.update(self.optimizer.snapshot())
         keeper = getattr(self, "_overflow_batches", None)  # set before tracing, see below
         if keeper is not None:
-            keeper.keep_if_overflow(data, self.optimizer)
+            keeper.keep_if_overflow(data, logs["overflow"] > 0, self.optimizer)
         return logs
 
     def keep_overflow_batches(self, limit: int) -> OverflowBatches | None:
