@@ -39,8 +39,9 @@ def build_model() -> tfmixprec.MixedPrecisionModel:
     outputs = keras.layers.Dense(10, activation="softmax", name="probs")(hidden)
     model = tfmixprec.MixedPrecisionModel(inputs, outputs)
     tfmixprec.float32_outputs(model)
+    # A plain optimizer: compile picks the loss scale (dynamic for float16, none for bfloat16).
     model.compile(
-        optimizer=tfmixprec.LossScaleOptimizer(keras.optimizers.Adam(2e-3)),
+        optimizer=keras.optimizers.Adam(2e-3),
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
     )

@@ -1,6 +1,7 @@
 """Tests of the mixed-precision train_step, gradient accumulation and custom-loop helpers."""
 
 import csv
+import warnings
 
 import keras
 import numpy as np
@@ -199,6 +200,54 @@ def test_compile_wrapping_rules():
     assert model.optimizer is ours
     model.compile(optimizer="sgd", loss="mse", loss_scaling="none")
     assert model.optimizer.dynamic is False and model.optimizer.initial_scale == 1.0
+
+
+def _one_step_scale(step_or_model, x, y):
+    if isinstance(step_or_model, keras.Model):
+        step_or_model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
+        return float(step_or_model.optimizer.loss_scale)
+    return float(step_or_model(x, y)["loss_scale"])
+
+
+@pytest.mark.parametrize(
+    "policy, scale, dynamic",
+    [("mixed_float16", 32768.0, True), ("mixed_bfloat16", 1.0, False), ("float32", 1.0, False)],
+)
+def test_one_default_loss_scale_per_policy(policy, scale, dynamic):
+    """compile and make_train_step pick the same scale (loss_scale.default_config) and the
+    logs report it; a bfloat16 model is never given a pointless dynamic scale."""
+    x, y = _data(n=8)
+    with tfmixprec.policy_scope(policy):
+        model = _functional()
+        model.compile(optimizer="sgd", loss="mse")
+        other = _functional()
+        step = tfmixprec.make_train_step(other, keras.losses.MeanSquaredError(), "sgd")
+    for opt in (model.optimizer, step.optimizer):
+        assert (opt.initial_scale, opt.dynamic) == (scale, dynamic)
+    assert _one_step_scale(model, x, y) == _one_step_scale(step, x, y) == scale
+
+
+def test_a_dynamic_scale_given_for_a_bfloat16_model_is_kept_with_a_warning():
+    with tfmixprec.policy_scope("mixed_bfloat16"):
+        model = _functional()
+    given = LossScaleOptimizer(keras.optimizers.SGD())
+    with pytest.warns(UserWarning) as caught:
+        model.compile(optimizer=given, loss="mse")
+    assert [str(w.message) for w in caught] == [
+        "The model computes in bfloat16, whose range is float32's: it needs no loss scaling, "
+        "yet its tfmixprec.LossScaleOptimizer has a dynamic scale from 32768. Pass the plain "
+        "optimizer (e.g. compile(optimizer='adam')): tfmixprec then uses a fixed scale of 1, "
+        "which still skips Inf/NaN steps."
+    ]
+    assert caught[0].filename == __file__  # points at the user's compile call
+    assert model.optimizer is given and given.dynamic
+    float32_model = _functional()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # float32 models test scaling: no warning
+        float32_model.compile(optimizer=LossScaleOptimizer(keras.optimizers.SGD()), loss="mse")
+        tfmixprec.make_train_step(
+            float32_model, keras.losses.MeanSquaredError(), LossScaleOptimizer("sgd")
+        )
 
 
 def test_compile_bad_input():

@@ -101,6 +101,15 @@ class LossScaleConfig:
         return not self.dynamic and self.initial_scale == 1.0
 
 
+def default_config(float16: bool) -> LossScaleConfig:
+    """The loss scale tfmixprec picks when it picks for you (compile, `make_train_step`, a
+    callback adopting Keras's optimizer): for a model that computes in float16, a dynamic scale
+    from 2^15 (Keras's recipe); for bfloat16 and float32 a fixed scale of 1, because their
+    range is float32's and no scaling is needed (Inf/NaN steps are still skipped and counted).
+    The one place this choice is made."""
+    return LossScaleConfig() if float16 else LossScaleConfig(initial_scale=1.0, dynamic=False)
+
+
 def format_scale(scale: float) -> str:
     """A loss scale for people: 32768.0 -> '32768', 0.25 -> '0.25' (whole scales without
     exponent notation)."""

@@ -22,6 +22,7 @@ from tfmixprec._keras_compat import Functional, functional_init_arguments
 from tfmixprec._layers import iter_layers
 from tfmixprec.callbacks import _FitWatch
 from tfmixprec.diagnosis import OverflowBatches
+from tfmixprec.loss_scale import default_config
 from tfmixprec.optimizer import LossScaleOptimizer
 
 __all__ = [
@@ -35,10 +36,10 @@ __all__ = [
 LOSS_SCALING = ("auto", "dynamic", "none")
 
 
-def _computes_in_float16(model: Any) -> bool:
-    if model.dtype_policy.compute_dtype == "float16":
+def _computes_in(model: Any, dtype: str) -> bool:
+    if model.dtype_policy.compute_dtype == dtype:
         return True
-    return any(layer.dtype_policy.compute_dtype == "float16" for layer in iter_layers(model))
+    return any(layer.dtype_policy.compute_dtype == dtype for layer in iter_layers(model))
 
 
 def _route_around_slow_cpu_kernels(model: Any) -> None:
@@ -91,15 +92,38 @@ def _ensure_loss_scale_optimizer(
             growth_interval=optimizer.dynamic_growth_steps,
             accumulation_steps=accumulation_steps,
         )
-    dynamic = loss_scaling == "dynamic" or (loss_scaling == "auto" and float16)
-    if dynamic:
-        return LossScaleOptimizer(optimizer, accumulation_steps=accumulation_steps)
+    config = default_config(loss_scaling == "dynamic" or (loss_scaling == "auto" and float16))
     return LossScaleOptimizer(
         optimizer,
-        initial_scale=1.0,
-        dynamic=False,
+        initial_scale=config.initial_scale,
+        dynamic=config.dynamic,
         accumulation_steps=accumulation_steps,
     )
+
+
+def _optimizer_for(
+    model: Any, optimizer: Any, loss_scaling: str = "auto", accumulation_steps: int = 1
+) -> LossScaleOptimizer:
+    """The tfmixprec optimizer `compile` and `make_train_step` use for `model` (see
+    `_ensure_loss_scale_optimizer`); float16 layers on a CPU get the fast products. A dynamic
+    scale given for a bfloat16 model is kept, with one warning that it is not needed."""
+    optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer
+    float16 = _computes_in(model, "float16")
+    given = optimizer
+    optimizer = _ensure_loss_scale_optimizer(optimizer, float16, loss_scaling, accumulation_steps)
+    if optimizer is given and optimizer.dynamic and _computes_in(model, "bfloat16"):
+        warnings.warn(
+            "The model computes in bfloat16, whose range is float32's: it needs no loss "
+            "scaling, yet its tfmixprec.LossScaleOptimizer has a dynamic scale from "
+            f"{optimizer.loss_scale_config.initial_scale:g}. Pass the plain optimizer (e.g. "
+            "compile(optimizer='adam')): tfmixprec then uses a fixed scale of 1, which still "
+            "skips Inf/NaN steps.",
+            UserWarning,
+            stacklevel=3,
+        )
+    if float16:
+        _route_around_slow_cpu_kernels(model)
+    return optimizer
 
 
 def _with_accumulation(optimizer: LossScaleOptimizer, steps: int) -> LossScaleOptimizer:
@@ -157,13 +181,7 @@ class MixedPrecisionMixin:
             accumulation_steps: Int >= 1. Micro-batches per applied step.
             **kwargs: Passed to `keras.Model.compile`.
         """
-        optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer
-        float16 = _computes_in_float16(self)
-        optimizer = _ensure_loss_scale_optimizer(
-            optimizer, float16, loss_scaling, accumulation_steps
-        )
-        if float16:
-            _route_around_slow_cpu_kernels(self)
+        optimizer = _optimizer_for(self, optimizer, loss_scaling, accumulation_steps)
         super().compile(optimizer, *args, **kwargs)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
@@ -395,11 +413,7 @@ def make_train_step(
         )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable. Received: loss_fn={loss_fn!r}")
-    optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer
-    float16 = _computes_in_float16(model)
-    optimizer = _ensure_loss_scale_optimizer(optimizer, float16)
-    if float16:
-        _route_around_slow_cpu_kernels(model)
+    optimizer = _optimizer_for(model, optimizer)
 
     def step(x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         with tf.GradientTape() as tape:
