@@ -11,7 +11,7 @@ from tfmixprec import LossScaleMonitor, LossScaleOptimizer, OverflowGuard
 BATCH = 4
 
 
-def _model(kind="keras", **opt_kwargs):
+def _model(kind="keras", steps_per_execution=1, **opt_kwargs):
     """A tiny float32 model with a dynamic tfmixprec optimizer (Keras's or our train_step)."""
     keras.utils.set_random_seed(0)
     cls = keras.Model if kind == "keras" else tfmixprec.MixedPrecisionModel
@@ -20,7 +20,9 @@ def _model(kind="keras", **opt_kwargs):
     model = cls(inputs, outputs)
     opt_kwargs.setdefault("initial_scale", 2.0**15)
     model.compile(
-        optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.01), **opt_kwargs), loss="mse"
+        optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.01), **opt_kwargs),
+        loss="mse",
+        steps_per_execution=steps_per_execution,
     )
     return model
 
@@ -75,23 +77,26 @@ def test_loss_scale_monitor_verbose_reports(capsys):
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines == [
-        "step 4: 2 overflows since last report, loss scale 32768 -> 8192; gradients not "
-        "finite in: hidden, out",
-        "step 8: 1 overflow since last report, loss scale 8192 -> 4096; gradients not "
-        "finite in: hidden, out",
+        "2 overflows in steps 0-3, the last at step 2 (0-based, skipped steps counted), loss "
+        "scale 32768 -> 8192; gradients not finite in: hidden, out",
+        "overflow at step 6 (0-based, skipped steps counted), loss scale 8192 -> 4096; "
+        "gradients not finite in: hidden, out",
     ]
     assert monitor.events == lines
 
 
-def test_callbacks_need_a_tfmixprec_optimizer():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+def test_float32_model_with_a_plain_optimizer_needs_no_loss_scaling(capsys):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)], name="plain")
     model.compile(optimizer="sgd", loss="mse")
     x, y = _data()
     for callback in (LossScaleMonitor(), OverflowGuard()):
-        with pytest.raises(
-            TypeError, match=r"model.optimizer is SGD.*tfmixprec.LossScaleOptimizer"
-        ):
-            model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
+        history = model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[callback])
+        assert sorted(history.history) == ["loss"]  # no loss-scale values
+    assert type(model.optimizer) is keras.optimizers.SGD  # left alone
+    assert capsys.readouterr().out.splitlines() == [  # once per model
+        "tfmixprec: no loss scaling needed for model 'plain': it computes in float32; the "
+        "tfmixprec callbacks add no loss-scale values."
+    ]
 
 
 def test_guard_ignores_isolated_overflows():
@@ -125,9 +130,13 @@ def test_guard_patience_at_min_scale():
     guard = OverflowGuard(patience=3, max_consecutive=100, verbose=0)
     x, y = _data(bad_batches=range(8))
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[guard])
-    # scale after steps 1, 2, 3, 4: 2, 1, 1, 1 -> at min since step 2, 3 steps at step 4
-    assert guard.stopped_step == 4
-    assert "has sat at min_scale=1 for 3 steps (patience=3)" in guard.stop_message
+    # steps 0, 1 overflow at scales 4, 2; steps 2, 3, 4 at min_scale 1: the third stops it
+    assert guard.stopped_step == 5
+    assert guard.stop_message.startswith(
+        "OverflowGuard stopped training at step 5: 3 overflow steps at min_scale=1, where the "
+        "loss scale cannot back off any further (patience=3). This is not a loss scale"
+    )
+    assert model.optimizer.read_state()["min_scale_overflows"] == 3
 
 
 def test_guard_raise_and_restore():
@@ -161,11 +170,12 @@ def test_guard_raise_and_restore():
     assert "The last weights with a finite loss were restored." in guard.stop_message
 
 
-@pytest.mark.parametrize("update_freq, stopped_step", [(1, 2), (4, None)])
+@pytest.mark.parametrize("update_freq, stopped_step", [(1, 2), (4, 4), (3, 3)])
 def test_guard_checks_every_update_freq_batches(update_freq, stopped_step):
     model = _model()
     guard = OverflowGuard(max_consecutive=1, update_freq=update_freq, verbose=0)
-    x, y = _data(bad_batches=(1,))  # step 2 overflows; the checks at steps 4 and 8 see 0
+    # Step 1 overflows; a check after it sees the run even when the run is over by then.
+    x, y = _data(bad_batches=(1,))
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[guard])
     assert guard.stopped_step == stopped_step
     assert int(model.optimizer.overflow_steps) == 1
@@ -223,8 +233,8 @@ def test_callbacks_under_mirrored_strategy(two_cpu_strategy, tmp_path, capsys):
     )
     assert history.history["overflow_steps"] == [1.0]
     assert capsys.readouterr().out.splitlines() == [
-        "step 2: 1 overflow since last report, loss scale 32768 -> 16384; gradients not "
-        "finite in: hidden, out"
+        "overflow at step 1 (0-based, skipped steps counted), loss scale 32768 -> 16384; "
+        "gradients not finite in: hidden, out"
     ]
     assert guard.stopped_step is None
     assert model.optimizer.read_state() == {
@@ -235,6 +245,8 @@ def test_callbacks_under_mirrored_strategy(two_cpu_strategy, tmp_path, capsys):
         "consecutive_overflows": 0,
         "last_overflow_iteration": 1,
         "iterations": 7,
+        "min_scale_overflows": 0,
+        "longest_overflow_run": 1,
     }
 
 
@@ -253,3 +265,86 @@ def test_monitor_epoch_logs_count_the_epochs_overflow_steps(kind):
     )
     assert history.history["overflow"] == [1.0, 1.0, 1.0]
     assert history.history["overflow_steps"] == [1.0, 2.0, 3.0]
+
+
+def test_guard_does_not_stop_a_healthy_run_at_min_scale():
+    # The issue's run: two isolated overflows take the scale from 4 to min_scale 1, then
+    # training runs clean. Sitting at min_scale is not a failure.
+    model = _model(initial_scale=4.0, min_scale=1.0)
+    guard = OverflowGuard()
+    x, y = _data(bad_batches=(3, 10), batches=120)
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[guard]
+    )
+    assert guard.stopped_step is None and guard.stop_message is None
+    assert len(history.history["loss"]) == 1
+    state = model.optimizer.read_state()
+    assert (state["loss_scale"], state["overflow_steps"], state["iterations"]) == (1.0, 2, 118)
+    assert state["min_scale_overflows"] == 0
+
+
+def test_guard_min_scale_count_starts_again_when_the_scale_grows():
+    model = _model(initial_scale=2.0, min_scale=1.0, growth_interval=2, on_min_scale="ignore")
+    guard = OverflowGuard(patience=2, max_consecutive=100, verbose=0)
+    # steps 0, 1 overflow (scale 2 -> 1, then one at min); 2, 3 clean: 1 -> 2; 4 overflows
+    # (2 -> 1); 5 at min again: one since the growth, not two.
+    x, y = _data(bad_batches=(0, 1, 4, 5), batches=6)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[guard])
+    assert guard.stopped_step is None
+    assert model.optimizer.read_state()["min_scale_overflows"] == 1
+
+
+@pytest.mark.parametrize("kind", ["keras", "tfmixprec"])
+def test_guard_sees_a_run_inside_executions(kind):
+    # 5 overflows in a row (steps 2-6) with 4 steps per execution: the guard sees the ends
+    # of executions only (steps 3 and 7), where the run is 2 long and then over.
+    model = _model(kind, steps_per_execution=4)
+    guard = OverflowGuard(max_consecutive=3, verbose=0)
+    x, y = _data(bad_batches=range(2, 7))
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[guard])
+    assert guard.stopped_step == 8
+    assert guard.stop_message.startswith(
+        "OverflowGuard stopped training at step 8: 5 consecutive overflow steps "
+        "(max_consecutive=3). This is not a loss scale finding its level"
+    )
+
+
+def test_guard_run_count_starts_at_each_fit():
+    model = _model(initial_scale=2.0**20)
+    x, y = _data(bad_batches=(0, 1, 2))
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # no guard
+    guard = OverflowGuard(max_consecutive=3, verbose=0)
+    x, y = _data(bad_batches=(0, 1))
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[guard])
+    assert guard.stopped_step is None  # the earlier run of 3 was before this guard
+    assert model.optimizer.read_state()["longest_overflow_run"] == 2
+
+
+@pytest.mark.parametrize("kind", ["keras", "tfmixprec"])
+def test_monitor_numbers_steps_with_steps_per_execution(kind, capsys):
+    model = _model(kind, steps_per_execution=4)
+    monitor = LossScaleMonitor(verbose=1, update_freq=1)
+    x, y = _data(bad_batches=(6,), batches=12)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+    x, y = _data(bad_batches=(1, 2), batches=4)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+    assert capsys.readouterr().out.splitlines() == [
+        "overflow at step 6 (0-based, skipped steps counted), loss scale 32768 -> 16384; "
+        "gradients not finite in: hidden, out",
+        "2 overflows in steps 12-15, the last at step 14 (0-based, skipped steps counted), "
+        "loss scale 16384 -> 4096; gradients not finite in: hidden, out",
+    ]
+
+
+def test_monitor_update_freq_counts_steps_not_executions():
+    model = _model(steps_per_execution=4)
+    monitor = LossScaleMonitor(update_freq=6)
+    x, y = _data(bad_batches=(0, 5, 9), batches=12)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[monitor])
+    # Reports due after steps 6 and 12 come at the ends of executions (steps 8 and 12).
+    assert monitor.events == [
+        "2 overflows in steps 0-7, the last at step 5 (0-based, skipped steps counted), loss "
+        "scale 32768 -> 8192; gradients not finite in: hidden, out",
+        "overflow at step 9 (0-based, skipped steps counted), loss scale 8192 -> 4096; "
+        "gradients not finite in: hidden, out",
+    ]

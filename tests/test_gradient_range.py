@@ -226,3 +226,14 @@ def test_float16_activation_gradients_are_measured_in_float32():
     assert (stats.count, stats.zero_fraction, stats.underflow_fraction) == (4, 0.0, 1.0)
     assert stats.histogram == {-29: 4}
     assert monitor.weight_stats.histogram == {1: 4}  # dL/dw = -2 * x = -2
+
+
+def test_a_fit_shorter_than_update_freq_still_measures_once_at_its_end():
+    model = _linear_model()
+    monitor = GradientRangeMonitor((np.ones((1, 4)), np.ones((1, 1))), update_freq=10)
+    calls = _counting(monitor)
+    _fit_four_batches(model, [monitor])
+    assert calls == [4] and monitor.weight_stats is not None
+    monitor.update_freq = 2
+    _fit_four_batches(model, [monitor])
+    assert calls == [4, 2, 4]  # measured during the fit: nothing more at its end

@@ -576,3 +576,86 @@ def test_finite_check(values, finite):
     opt = LossScaleOptimizer(keras.optimizers.SGD())
     grads = [None, tf.constant(values, tf.float32), tf.constant([1.0], tf.bfloat16)]
     assert bool(opt.check_finite(grads)) is finite
+
+
+# ----------------------------------------------------------------- from Keras's optimizer
+def test_from_keras_unbuilt_takes_the_settings_and_the_inner_optimizer():
+    inner = keras.optimizers.Adam(0.01)
+    keras_lso = keras.optimizers.LossScaleOptimizer(
+        inner, initial_scale=64, dynamic_growth_steps=9, name="lso"
+    )
+    opt = LossScaleOptimizer.from_keras(keras_lso, hysteresis=2)
+    assert opt.inner_optimizer is inner and opt.name == "lso" and not opt.built
+    assert (opt.initial_scale, opt.growth_interval, opt.hysteresis) == (64.0, 9, 2)
+    assert (opt.min_scale, opt.max_scale, opt.dynamic) == (1.0, 2.0**24, True)
+
+
+def test_from_keras_built_carries_the_state_over():
+    model = _tiny_model()
+    keras_lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=2)
+    variables = model.trainable_variables
+    grads = [tf.ones_like(v) for v in variables]
+    keras_lso.apply(grads, variables)
+    for _ in range(2):
+        keras_lso.apply([g * np.inf for g in grads], variables)  # 2 -> 1 -> 0.5
+    slots = [id(v) for v in keras_lso.inner_optimizer.variables]
+    opt = LossScaleOptimizer.from_keras(keras_lso)
+    assert opt.built and [id(v) for v in opt.inner_optimizer.variables] == slots
+    assert opt.min_scale == 0.5  # widened to hold Keras's unbounded scale
+    state = opt.read_state()
+    assert (state["loss_scale"], state["good_steps"], state["iterations"]) == (0.5, 0, 1)
+    before = [v.numpy() for v in variables]
+    opt.apply(grads, variables)  # the same slots go on: Adam's second step
+    assert int(opt.iterations.numpy()) == 2
+    assert not np.array_equal(before[0], variables[0].numpy())
+
+
+def test_from_keras_rejects_other_optimizers():
+    with pytest.raises(TypeError, match=r"converts Keras's own.*keras.src.optimizers.sgd.SGD"):
+        LossScaleOptimizer.from_keras(keras.optimizers.SGD())
+    with pytest.raises(TypeError, match=r"of type tfmixprec.optimizer.LossScaleOptimizer"):
+        LossScaleOptimizer.from_keras(LossScaleOptimizer("sgd"))
+
+
+# ----------------------------------------------------------------- the guard's counters
+def _at_min_scale_three_times():
+    model = _tiny_model()
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0, on_min_scale="ignore")
+    variables = model.trainable_variables
+    bad = [tf.fill(v.shape, np.inf) for v in variables]
+    for _ in range(4):  # scale 2 -> 1, then three overflows at min_scale 1
+        opt.apply(bad, variables)
+    return model, opt
+
+
+def test_guard_counters_count_exactly():
+    _, opt = _at_min_scale_three_times()
+    state = opt.read_state()
+    assert (state["min_scale_overflows"], state["longest_overflow_run"]) == (3, 4)
+    opt.reset_longest_overflow_run()
+    assert opt.read_state()["longest_overflow_run"] == 0
+
+
+def test_a_file_from_0_2_0_loads():
+    # 0.2.0 saved the optimizer without min_scale_overflows and longest_overflow_run.
+    _, opt = _at_min_scale_three_times()
+    added = {id(opt.min_scale_overflows), id(opt.longest_overflow_run)}
+    old_store = {}
+    for i, variable in enumerate(v for v in opt.variables if id(v) not in added):
+        old_store[str(i)] = variable.numpy()
+    fresh_model, fresh = _at_min_scale_three_times()
+    fresh.min_scale_overflows.assign(7)
+    fresh.load_own_variables(old_store)
+    expected = {**opt.read_state(), "min_scale_overflows": 7, "longest_overflow_run": 4}
+    assert fresh.read_state() == expected  # what the file has came back; the rest as it was
+    assert fresh.last_overflow_scale.numpy() == 1.0
+
+
+def test_guard_counters_round_trip_through_a_checkpoint(tmp_path):
+    model, opt = _at_min_scale_three_times()
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+    fresh = LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0)
+    fresh.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=fresh).restore(path).assert_consumed()
+    assert fresh.read_state() == opt.read_state()
+    assert fresh.read_state()["min_scale_overflows"] == 3

@@ -1,6 +1,7 @@
 """Tests of the mixed-precision train_step, gradient accumulation and custom-loop helpers."""
 
 import csv
+import re
 import warnings
 
 import keras
@@ -597,3 +598,42 @@ def test_epoch_logs_count_the_epochs_overflow_steps(tmp_path):
     assert history.history["overflow_steps"] == [1.0, 2.0, 3.0]
     with open(log_path) as f:
         assert [row["overflow"] for row in csv.DictReader(f)] == ["1.0"] * 3
+
+
+def _bar_lines(model, x, y, verbose, capsys, callbacks=None):
+    capsys.readouterr()
+    history = model.fit(
+        x, y, batch_size=8, epochs=2, verbose=verbose, shuffle=False, callbacks=callbacks
+    )
+    text = capsys.readouterr().out
+    text = re.sub(r"\x08|\x1b\[[0-9;]*m", "", text)  # the bar's erasing and colours
+    return history, [line for line in re.split(r"[\r\n]", text) if "loss" in line]
+
+
+def test_progress_bar_shows_the_loss_scale_and_overflows_only(capsys):
+    """The bar: loss, metrics, loss_scale, and overflow (the epoch's count so far) once there
+    is one; the totals stay in History, and no 0.0000e+00."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    model = MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(
+        optimizer=LossScaleOptimizer("sgd", initial_scale=8.0, min_scale=0.125), loss="mse"
+    )
+    x, y = np.ones((32, 4), "float32"), np.ones((32, 1), "float32")
+    x[8, 0] = np.inf  # the second batch of every epoch overflows
+    history, lines = _bar_lines(model, x, y, 2, capsys)  # verbose=2: one line per epoch
+    assert len(lines) == 2
+    for line, scale in zip(lines, ("4.0000", "2.0000")):
+        assert re.search(rf" - loss: \S+ - loss_scale: {scale} - overflow: 1\.0000$", line), line
+    assert history.history["overflow_steps"] == [1.0, 2.0]  # in History, not on the bar
+    assert history.history["skipped_fraction"] == [0.25, 0.25]
+    _, lines = _bar_lines(model, x, y, 1, capsys)  # verbose=1: the bar updates each batch
+    assert lines[0].startswith("1/4") and "overflow" not in lines[0]  # no overflow yet
+    assert lines[-1].endswith("loss_scale: 0.5000 - overflow: 1.0000")  # the epoch's count
+    assert not any(key in "".join(lines) for key in ("overflow_steps", "skipped", "e+00"))
+    clean = np.ones((32, 4), "float32")
+    _, lines = _bar_lines(model, clean, y, 2, capsys)
+    assert lines and not any("overflow" in line for line in lines)
+    mine = keras.callbacks.ProgbarLogger()  # a progress bar of your own is used as it is
+    _, lines = _bar_lines(model, x, y, 2, capsys, callbacks=[mine])
+    assert "overflow_steps: " in lines[0]

@@ -27,9 +27,12 @@ __all__ = [
     "KerasLossScaleHooks",
     "all_sublayers",
     "build_shapes",
+    "built_variables",
     "functional_init_arguments",
     "no_automatic_dependency_tracking",
     "producing_layer",
+    "recorded_call_kwargs",
+    "set_compiled_optimizer",
     "tensorboard_batch_work",
     "tensorboard_step",
     "tensorboard_writer",
@@ -62,6 +65,29 @@ def build_shapes(model: Any) -> dict[str, Any] | None:
     subclassed models.
     """
     return getattr(model, "_build_shapes_dict", None)
+
+
+def built_variables(optimizer: Any) -> list[Any]:
+    """The variables a built Keras optimizer was built with.
+
+    Why: Keras keeps them only in the private `_trainable_variables`; tfmixprec's
+    `LossScaleOptimizer.from_keras` builds its replacement of a used Keras
+    `LossScaleOptimizer` for the same variables.
+    """
+    return list(optimizer._trainable_variables)
+
+
+def set_compiled_optimizer(model: Any, optimizer: Any) -> None:
+    """Makes `model.save` write `optimizer` as the compiled optimizer.
+
+    Why: Keras writes the optimizer it was given at `compile()`, kept in the private
+    `_compile_config`, and `load_model` compiles with it again; after the callbacks replace
+    Keras's `LossScaleOptimizer` by tfmixprec's, the file must name the new one, else the
+    loaded model gets Keras's again and the saved optimizer variables do not fit it.
+    """
+    config = getattr(model, "_compile_config", None)
+    if config is not None:
+        config.config["optimizer"] = optimizer
 
 
 # Why: `tfmixprec.TensorBoard` extends `keras.callbacks.TensorBoard` and writes its summaries
@@ -160,3 +186,17 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
     def overwrites_with_gradient(self, variable: Any) -> bool:
         """True for variables whose "gradient" is a new value (float8 scale/amax variables)."""
         return bool(self._overwrite_variable_with_gradient(variable))
+
+
+def recorded_call_kwargs(layer: Any) -> list[dict[str, Any]] | None:
+    """The keyword arguments of each call of `layer` recorded in a functional graph, or None
+    when no call is recorded (a layer of a subclassed model).
+
+    Why: `tfmixprec.audit` needs to know whether a `MultiHeadAttention` is called with
+    `return_attention_scores=True` (then Keras computes its softmax with the layer's own
+    `Softmax`, in the layer's dtype); Keras keeps the calls only in the private `_inbound_nodes`.
+    """
+    nodes = getattr(layer, "_inbound_nodes", None)
+    if not nodes:
+        return None
+    return [dict(node.arguments.kwargs) for node in nodes]

@@ -2,6 +2,8 @@
 
 They never keep their own copy of the scale: they read the optimizer's variables, and only at
 their logging interval (values put into `logs` on other batches are tensors, not host reads).
+On a plain `keras.Model` compiled the Keras way they adopt Keras's own
+`keras.optimizers.LossScaleOptimizer` at `on_train_begin` (see `LossScaleMonitor`).
 """
 
 from __future__ import annotations
@@ -18,22 +20,38 @@ from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.attribution import overflow_report
 from tfmixprec.diagnosis import OverflowDiagnosis, explain_overflow
 from tfmixprec.loss_scale import LOG_KEYS, format_scale
-from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.optimizer import LossScaleOptimizer, _adopt_loss_scaling, _loss_scaling_of
 
 __all__ = ["LossScaleMonitor", "OverflowGuard"]
 
 
-def _loss_scale_optimizer_of(model: Any, who: str) -> LossScaleOptimizer:
-    """Returns `model.optimizer` if it is a tfmixprec `LossScaleOptimizer`, else raises."""
-    optimizer = getattr(model, "optimizer", None)
-    if not isinstance(optimizer, LossScaleOptimizer):
-        raise TypeError(
-            f"{who} reads the loss-scale state of a tfmixprec.LossScaleOptimizer, but "
-            f"model.optimizer is {type(optimizer).__name__}. Compile with "
-            "optimizer=tfmixprec.LossScaleOptimizer(your_optimizer), or use "
-            "tfmixprec.MixedPrecisionModel, whose compile() wraps it for you."
-        )
-    return optimizer
+class _Every:
+    """Whether a read is due: every `n` batches (steps) of a `fit`, counted from the `batch`
+    index Keras passes (with `steps_per_execution` > 1, the execution's last step), so an
+    interval that ends inside an execution is read at the execution's end."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.start()
+
+    def start(self) -> None:
+        self._done, self._epoch_base, self._epoch_steps = 0, 0, 0
+
+    def epoch_begin(self) -> None:
+        self._epoch_base += self._epoch_steps
+        self._epoch_steps = 0
+
+    def due(self, batch: int) -> bool:
+        self._epoch_steps = batch + 1
+        total = self._epoch_base + self._epoch_steps
+        due = total // self.n > self._done // self.n
+        self._done = total
+        return due
+
+
+def _attempted(state: dict[str, Any]) -> int:
+    """Steps attempted so far, skipped ones counted (the optimizer's own counters)."""
+    return int(state["iterations"] + state["overflow_steps"])
 
 
 class _EpochOverflows:
@@ -47,7 +65,11 @@ class _EpochOverflows:
         self._start = opt.read_state()["overflow_steps"]
 
     def count(self, opt: LossScaleOptimizer) -> float:
-        return float(opt.read_state()["overflow_steps"] - self._start)
+        return self.since(opt.read_state()["overflow_steps"])
+
+    def since(self, total: float) -> float:
+        """The epoch's count given the optimizer's total (from the logs: no read)."""
+        return float(total - self._start)
 
 
 class _Diagnoser:
@@ -133,6 +155,43 @@ class _FitWatch(keras.callbacks.Callback):
         self.model.optimizer.check_min_scale()
 
 
+# What the progress bar leaves out: totals since the optimizer was created, kept in the logs
+# (History, CSVLogger) but not what a person watches while training.
+_NOT_ON_THE_BAR = ("overflow_steps", "skipped_fraction")
+
+
+class _ProgressBar(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar for `MixedPrecisionModel.fit`, showing of the loss-scale values
+    only what a person watches: `loss_scale`, and `overflow` as the epoch's number of overflow
+    steps so far, once there is one (Keras prints a 0 as `0.0000e+00`). The logs that History,
+    CSVLogger and the other callbacks see are not changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._epoch = _EpochOverflows()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        super().on_epoch_begin(epoch, logs)
+        self._epoch.begin(self.model.optimizer)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        logs = dict(logs or {})
+        if "overflow_steps" in logs:
+            logs["overflow"] = self._epoch.since(logs["overflow_steps"])
+        super().on_train_batch_end(batch, _bar_view(logs))
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        super().on_epoch_end(epoch, _bar_view(dict(logs or {})))
+
+
+def _bar_view(logs: dict) -> dict:
+    """`logs` without the totals, and without `overflow` while it is 0."""
+    view = {k: v for k, v in logs.items() if k not in _NOT_ON_THE_BAR}
+    if not view.get("overflow", 1):
+        del view["overflow"]
+    return view
+
+
 @keras.saving.register_keras_serializable(package="tfmixprec")
 class LossScaleMonitor(keras.callbacks.Callback):
     """Adds `loss_scale`, `overflow`, `overflow_steps` and `skipped_fraction` to the logs.
@@ -142,8 +201,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     `overflow` the epoch's number of overflow steps). With
     `verbose=1`, every `update_freq` batches it prints one line when there were overflows
     since the last report, naming the layers whose gradients were not finite at the last one
-    (`tfmixprec.overflow_report`), e.g. `step 1200: 3 overflows since last report, loss scale
-    32768 -> 4096; gradients not finite in: attention`.
+    (`tfmixprec.overflow_report`); see the report's wording below.
 
     The values: `loss_scale`, the current scale; `overflow`, the number of overflow (skipped)
     steps in the span the value covers (one step in batch logs, so 0 or 1; the epoch in epoch
@@ -154,6 +212,22 @@ class LossScaleMonitor(keras.callbacks.Callback):
     first N overflow steps of each `fit` are kept on the host and replayed with
     `tfmixprec.explain_overflow` right after their step: the results go to `diagnoses` as
     `(step, OverflowDiagnosis)` and, with `verbose=1`, are printed.
+
+    Steps are numbered by the optimizer's own counters (0-based, skipped steps counted, as
+    `tfmixprec.explain_overflow` numbers them), so the numbers are right with any
+    `steps_per_execution`; `update_freq` counts steps too (a report due inside an execution
+    comes at its end). A report with one overflow reads `overflow at step 6 (0-based, skipped
+    steps counted), loss scale 32768 -> 16384; gradients not finite in: dense`; with several,
+    `3 overflows in steps 4-11, the last at step 9 (...)`.
+
+    On a plain `keras.Model` (Keras's `train_step`): under `mixed_float16`, Keras's `compile`
+    wraps the optimizer in its own `keras.optimizers.LossScaleOptimizer`; at `on_train_begin`
+    this callback (like every tfmixprec callback) replaces it by `tfmixprec.LossScaleOptimizer.
+    from_keras(...)` (same inner optimizer and settings; a used one's state carried over),
+    saying so in one printed line per model. Under `mixed_bfloat16` or `float32` with a plain
+    optimizer there is nothing to scale: it prints once that no loss scaling is needed and
+    adds no loss-scale values. A float16 model with a plain optimizer gets a
+    `RuntimeWarning` (gradients underflow; how to wrap the optimizer).
 
     Args:
         verbose: Int. 0 (silent) or 1 (print overflow events).
@@ -179,8 +253,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._diagnoser = _Diagnoser(diagnose, "LossScaleMonitor")
         self.diagnoses: list[tuple[int, OverflowDiagnosis]] = []
         self.events: list[str] = []
-        self._step = 0
-        self._reported = (0, None)
+        self._every = _Every(self.update_freq)
+        self._reported: tuple[int, float, int] = (0, 0.0, 0)
         self._snapshot: Any = None
         self._snapshot_of: Any = None
         self._epoch = _EpochOverflows()
@@ -193,10 +267,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
         return cls(**config)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        opt = _loss_scale_optimizer_of(self.model, "LossScaleMonitor")
-        self._step = 0
-        state = opt.read_state()
-        self._reported = (state["overflow_steps"], state["loss_scale"])
+        opt = _adopt_loss_scaling(self.model, "LossScaleMonitor")
+        self._every.start()
+        if opt is not None:
+            state = opt.read_state()
+            self._reported = (state["overflow_steps"], state["loss_scale"], _attempted(state))
         self._diagnoser.start(self.model)
 
     def on_train_end(self, logs: dict | None = None) -> None:
@@ -212,13 +287,15 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        opt = _loss_scale_optimizer_of(self.model, "LossScaleMonitor")
-        self._step += 1
+        opt = _loss_scaling_of(self.model)
+        due = self._every.due(batch)
+        if opt is None:
+            return  # no loss scaling: nothing to add or report
         if not all(key in logs for key in LOG_KEYS):
             # Keras's own train_step: compute them here (tfmixprec's returns them already,
             # computed in the graph, which costs nothing per batch).
             logs.update(self._values(opt))
-        if self._step % self.update_freq == 0:
+        if due:
             self._report(opt)
         for step, diagnosis in self._diagnoser.new(self.model):
             self.diagnoses.append((step, diagnosis))
@@ -226,31 +303,46 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 print(f"overflow step {step} (0-based, skipped steps counted): {diagnosis}")
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._epoch.begin(_loss_scale_optimizer_of(self.model, "LossScaleMonitor"))
+        self._every.epoch_begin()
+        opt = _loss_scaling_of(self.model)
+        if opt is not None:
+            self._epoch.begin(opt)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        opt = _loss_scale_optimizer_of(self.model, "LossScaleMonitor")
+        opt = _loss_scaling_of(self.model)
+        if opt is None:
+            return
         logs.update({k: float(v.numpy()) for k, v in self._values(opt).items()})
         logs["overflow"] = self._epoch.count(opt)
         self._report(opt)
 
     def _report(self, opt: LossScaleOptimizer) -> None:
         state = opt.read_state()
-        overflows, scale = state["overflow_steps"], state["loss_scale"]
-        before_overflows, before_scale = self._reported
+        overflows, scale, attempted = (
+            state["overflow_steps"],
+            state["loss_scale"],
+            _attempted(state),
+        )
+        before_overflows, before_scale, before_attempted = self._reported
         if overflows > before_overflows:
+            count, last = overflows - before_overflows, int(opt.last_overflow_step().numpy())
             layers = overflow_report(self.model).last_overflow_layers
+            where = (
+                f"overflow at step {last}"
+                if count == 1
+                else f"{count} overflows in steps {before_attempted}-{attempted - 1}, the last "
+                f"at step {last}"
+            )
             line = (
-                f"step {self._step}: {overflows - before_overflows} overflow"
-                f"{'s' if overflows - before_overflows != 1 else ''} since last report, "
-                f"loss scale {format_scale(before_scale)} -> {format_scale(scale)}"
+                f"{where} (0-based, skipped steps counted), loss scale "
+                f"{format_scale(before_scale)} -> {format_scale(scale)}"
                 + (f"; gradients not finite in: {', '.join(layers)}" if layers else "")
             )
             self.events.append(line)
             if self.verbose:
                 print(line)
-        self._reported = (overflows, scale)
+        self._reported = (overflows, scale, attempted)
         opt.check_min_scale()
 
 
@@ -258,18 +350,28 @@ class LossScaleMonitor(keras.callbacks.Callback):
 class OverflowGuard(keras.callbacks.Callback):
     """Stops training on a divergence, not on an ordinary overflow.
 
-    It stops (sets `model.stop_training`) when the loss scale has sat at `min_scale` for
-    `patience` steps, or after `max_consecutive` overflow steps in a row: that is bad data or a
-    real divergence, not a scale finding its level. Unlike `keras.callbacks.TerminateOnNaN` an
-    isolated overflow never stops it.
+    It stops (sets `model.stop_training`) after `patience` overflow steps taken at
+    `min_scale` (where the scale cannot back off any further) since the scale last grew, or
+    after `max_consecutive` overflow steps in a row: that is bad data or a real divergence,
+    not a scale finding its level. Sitting at `min_scale` with clean steps never stops it, and
+    unlike `keras.callbacks.TerminateOnNaN` an isolated overflow never does. Both counts are
+    kept by the step, in the optimizer's variables (`min_scale_overflows`,
+    `longest_overflow_run`), so they are exact with any `steps_per_execution` and
+    `update_freq`: a run of overflows between two checks is still seen. `stopped_step` is the
+    number of steps attempted when it stopped (skipped steps counted).
+
+    Without loss scaling (a plain optimizer: `mixed_bfloat16`, `float32`, see
+    `LossScaleMonitor`) nothing is skipped, so it does what `keras.callbacks.TerminateOnNaN`
+    does: it stops at a check that sees a non-finite `loss`.
 
     Args:
-        patience: Int. Steps at `min_scale` (still overflowing or not) before stopping.
+        patience: Int. Overflow steps at `min_scale` (since the scale last grew) before
+            stopping.
         max_consecutive: Int. Consecutive overflow steps before stopping.
         restore_weights: Bool. On stopping, restore the last weights seen after an applied step
             with a finite loss (copied to the host at every check; costs memory and time).
         raise_error: Bool. Raise `FloatingPointError` with the message instead of only stopping.
-        update_freq: Int. Batches between checks (each check reads two variables).
+        update_freq: Int. Batches (steps) between checks (each check reads the state once).
         verbose: Int. 1 prints the stop message.
 
     Raises:
@@ -278,13 +380,13 @@ class OverflowGuard(keras.callbacks.Callback):
 
     Example:
 
-    >>> guard = tfmixprec.OverflowGuard(patience=200, max_consecutive=20)
+    >>> guard = tfmixprec.OverflowGuard(patience=10, max_consecutive=20)
     >>> model.fit(x, y, callbacks=[guard]); guard.stop_message
     """
 
     def __init__(
         self,
-        patience: int = 100,
+        patience: int = 10,
         max_consecutive: int = 20,
         restore_weights: bool = False,
         raise_error: bool = False,
@@ -303,8 +405,7 @@ class OverflowGuard(keras.callbacks.Callback):
         self.verbose = verbose
         self.stopped_step: int | None = None
         self.stop_message: str | None = None
-        self._step = 0
-        self._at_min_since: int | None = None
+        self._every = _Every(self.update_freq)
         self._good_weights: list[np.ndarray] | None = None
 
     def get_config(self) -> dict[str, Any]:
@@ -322,56 +423,64 @@ class OverflowGuard(keras.callbacks.Callback):
         return cls(**config)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        _loss_scale_optimizer_of(self.model, "OverflowGuard")
-        self._step = 0
-        self._at_min_since = None
+        opt = _adopt_loss_scaling(self.model, "OverflowGuard")
+        if opt is not None:
+            opt.reset_longest_overflow_run()  # runs from here on; read at each check
+        self._every.start()
         self.stopped_step = None
         self.stop_message = None
         if self.restore_weights:
             self._good_weights = self.model.get_weights()
 
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._every.epoch_begin()
+
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs or {}
-        self._step += 1
-        if self._step % self.update_freq:
+        if not self._every.due(batch):
             return
-        opt = _loss_scale_optimizer_of(self.model, "OverflowGuard")
-        state = opt.read_state()
-        consecutive = state["consecutive_overflows"]
-        at_min = opt.dynamic and state["loss_scale"] <= opt.min_scale
-        if at_min and self._at_min_since is None:
-            self._at_min_since = self._step
-        elif not at_min:
-            self._at_min_since = None
-        if self.restore_weights and consecutive == 0:
-            loss = logs.get("loss")
-            if loss is None or math.isfinite(float(loss)):
-                self._good_weights = self.model.get_weights()
-        opt.check_min_scale()  # on_min_scale="raise" raises here, "warn" warns once
-        reason = None
-        if consecutive >= self.max_consecutive:
-            reason = (
-                f"{consecutive} consecutive overflow steps (max_consecutive={self.max_consecutive})"
-            )
-        elif (
-            self._at_min_since is not None and self._step - self._at_min_since + 1 >= self.patience
+        opt = _loss_scaling_of(self.model)
+        state = opt.read_state() if opt is not None else None
+        loss = logs.get("loss")
+        finite_loss = loss is None or math.isfinite(float(loss))
+        if (
+            self.restore_weights
+            and finite_loss
+            and (not state or not state["consecutive_overflows"])
         ):
-            reason = (
-                f"the loss scale has sat at min_scale={opt.min_scale:g} for "
-                f"{self._step - self._at_min_since + 1} steps (patience={self.patience})"
-            )
+            self._good_weights = self.model.get_weights()
+        if opt is None:  # no loss scaling: a non-finite step was applied, as TerminateOnNaN
+            if not finite_loss:
+                step = int(self.model.optimizer.iterations.numpy())
+                reason = f"the loss is {float(loss)} (without loss scaling nothing skips it)"
+                self._stop(step, reason, scaled=False)
+            return
+        opt.check_min_scale()  # on_min_scale="raise" raises here, "warn" warns once
+        reason = self._reason(opt, state)
         if reason is not None:
-            self._stop(reason)
+            self._stop(_attempted(state), reason)
 
-    def _stop(self, reason: str) -> None:
-        self.stopped_step = self._step
+    def _reason(self, opt: LossScaleOptimizer, state: dict[str, Any]) -> str | None:
+        longest, at_min = state["longest_overflow_run"], state["min_scale_overflows"]
+        if longest >= self.max_consecutive:
+            return f"{longest} consecutive overflow steps (max_consecutive={self.max_consecutive})"
+        if opt.dynamic and at_min >= self.patience:
+            return (
+                f"{at_min} overflow steps at min_scale={opt.min_scale:g}, where the loss scale "
+                f"cannot back off any further (patience={self.patience})"
+            )
+        return None
+
+    def _stop(self, step: int, reason: str, scaled: bool = True) -> None:
+        self.stopped_step = step
         restored = ""
         if self.restore_weights and self._good_weights is not None:
             self.model.set_weights(self._good_weights)
             restored = " The last weights with a finite loss were restored."
         self.stop_message = (
-            f"OverflowGuard stopped training at step {self._step}: {reason}. This is not a "
-            "loss scale finding its level: likely causes are NaN/Inf in the inputs or labels, "
+            f"OverflowGuard stopped training at step {step}: {reason}. "
+            + ("This is not a loss scale finding its level: likely" if scaled else "Likely")
+            + " causes are NaN/Inf in the inputs or labels, "
             "a learning rate that is too high, or a layer (softmax, loss, output) that must "
             f"run in float32 (see tfmixprec.audit(model)).{restored}"
         )

@@ -18,7 +18,7 @@ import tensorflow as tf
 from tfmixprec._layers import compiled_loss, loss_value
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.loss_scale import divide, multiply
-from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.optimizer import _adopt_loss_scaling, _loss_scaling_of
 from tfmixprec.unscaling import gradient_values
 
 __all__ = ["GradientRangeMonitor", "GradientRangeStats", "gradient_range_stats"]
@@ -137,7 +137,8 @@ def _activation_probe(model: Any, layers: list[str]) -> keras.Model:
 
 
 class GradientRangeMonitor(keras.callbacks.Callback):
-    """Every `update_freq` batches, measures where gradients fall relative to float16's range.
+    """Every `update_freq` batches, measures where gradients fall relative to float16's range
+    (and once at the end of a `fit` shorter than that, so `weight_stats` is never left empty).
 
     On one batch (`data`), it computes gradients of the loss scaled by the optimizer's current
     scale, unscales them in float32, and reports the fraction that would flush to zero in
@@ -146,6 +147,10 @@ class GradientRangeMonitor(keras.callbacks.Callback):
     chosen layers (functional models). This is the analysis of Figure 2 of the
     mixed-precision paper, as a tool. The logs gain `grad_underflow_fraction`,
     `grad_subnormal_fraction`, `grad_overflow_fraction` and `grad_zero_fraction`.
+
+    At `on_train_begin` it adopts Keras's own `keras.optimizers.LossScaleOptimizer` as the
+    other tfmixprec callbacks do (see `LossScaleMonitor`); without loss scaling it measures at
+    a scale of 1.
 
     Passed to `fit`, it steps itself from its `on_train_batch_end`. Passed to
     `tfmixprec.TensorBoard(gradient_monitor=...)`, the TensorBoard callback drives it (see
@@ -289,8 +294,8 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         """
         if self._compute is None:
             self._build()
-        opt = getattr(self.model, "optimizer", None)
-        scale = opt.read_state()["loss_scale"] if isinstance(opt, LossScaleOptimizer) else 1.0
+        opt = _loss_scaling_of(self.model)
+        scale = opt.read_state()["loss_scale"] if opt is not None else 1.0
         x, y = self.data[0], self.data[1]
         sample_weight = self.data[2] if len(self.data) == 3 else None
         x = tf.nest.map_structure(tf.convert_to_tensor, x)
@@ -351,9 +356,14 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         return True
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        _adopt_loss_scaling(self.model, "GradientRangeMonitor")
         self._step = 0
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self._driver is not None:
             return  # the driver calls step() itself
         self.step(logs if logs is not None else {})
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self._step < self.update_freq:  # a fit shorter than update_freq still measures once
+            self.measure()

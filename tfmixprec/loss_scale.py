@@ -247,6 +247,11 @@ class LossScale(tf.Module):
         self.last_overflow_iteration = add_variable("last_overflow_iteration", "int", -1)
         self.min_scale_overflow_iteration = add_variable("min_scale_overflow_iteration", "int", -1)
         self.last_overflow_scale = add_variable("last_overflow_scale", "float32", 0.0)
+        # For `OverflowGuard` (added after 0.2.0): overflow steps taken at `min_scale` since
+        # the scale last grew, and the longest run of consecutive overflow steps since the
+        # last `reset_longest_overflow_run()` (exact with several steps per execution).
+        self.min_scale_overflows = add_variable("min_scale_overflows", "int", 0)
+        self.longest_overflow_run = add_variable("longest_overflow_run", "int", 0)
         self.ledger = UnscaleLedger()  # not checkpointed: it describes one step
         # Which variables' gradients were not finite (made by `build`, one entry a variable).
         self.nonfinite_steps: Any = None
@@ -355,6 +360,8 @@ class LossScale(tf.Module):
         grown = tf.minimum(scale * config.growth_factor, config.max_scale)
         self.scale_variable.assign(tf.where(grow, grown, scale))
         self.good_steps.assign(tf.where(grow, tf.zeros_like(counter), counter))
+        at_min = read_now(self.min_scale_overflows)
+        self.min_scale_overflows.assign(tf.where(grow, tf.zeros_like(at_min), at_min))
         tracker = read_now(self.hysteresis_tracker)
         self.hysteresis_tracker.assign(
             tf.where(grow, tf.constant(config.hysteresis, tracker.dtype), tracker)
@@ -369,7 +376,9 @@ class LossScale(tf.Module):
             self._attribute(nonfinite_flags(evidence, overflows.dtype), attempted)
         self.last_overflow_scale.assign(read_now(self.scale_variable))
         self.overflow_steps.assign(overflows + 1)
-        self.consecutive_overflows.assign_add(1)
+        run = read_now(self.consecutive_overflows) + 1
+        self.consecutive_overflows.assign(run)
+        self.longest_overflow_run.assign(tf.maximum(read_now(self.longest_overflow_run), run))
         self.last_overflow_iteration.assign(iteration)
         self.good_steps.assign(0)
         if not config.dynamic:
@@ -381,6 +390,8 @@ class LossScale(tf.Module):
         self.min_scale_overflow_iteration.assign(
             tf.where(first_at_min, attempted, read_now(self.min_scale_overflow_iteration))
         )
+        at_min = read_now(self.min_scale_overflows)
+        self.min_scale_overflows.assign(tf.where(scale <= config.min_scale, at_min + 1, at_min))
         tracker = tf.maximum(read_now(self.hysteresis_tracker) - 1, 0)
         self.hysteresis_tracker.assign(tracker)
         backed_off = tf.maximum(scale * config.backoff_factor, config.min_scale)
@@ -398,20 +409,6 @@ class LossScale(tf.Module):
         self.last_nonfinite_step.assign(tf.where(nonfinite > 0, attempted, last))
 
     # ------------------------------------------------------------ readers
-    def min_scale_report(self) -> str | None:
-        """The message for the first overflow at `min_scale`, or None (one host read)."""
-        step = int(self.min_scale_overflow_iteration.numpy())
-        if step < 0:
-            return None
-        return (
-            f"Gradients were not finite at step {step} (0-based, skipped steps counted) "
-            f"although the loss scale was already at min_scale={self.config.min_scale!r}: "
-            "that step was skipped. Lowering the scale cannot fix this; likely causes are "
-            "NaN/Inf in the inputs or labels, a learning rate that is too high, or a layer "
-            "(softmax, loss, output) that must run in float32. Fix the data or model, or "
-            "lower min_scale."
-        )
-
     def snapshot(self, iterations: Any) -> dict[str, tf.Tensor]:
         """The values every reader shows, as float32 tensors read here (no host sync).
 
@@ -430,3 +427,30 @@ class LossScale(tf.Module):
             "overflow_steps": overflows,
             "skipped_fraction": overflows / tf.maximum(overflows + applied, 1.0),
         }
+
+
+def min_scale_report(state: LossScale) -> str | None:
+    """The message for the first overflow at `min_scale` of `state`, or None (one host read)."""
+    step = int(state.min_scale_overflow_iteration.numpy())
+    if step < 0:
+        return None
+    return (
+        f"Gradients were not finite at step {step} (0-based, skipped steps counted) "
+        f"although the loss scale was already at min_scale={state.config.min_scale!r}: "
+        "that step was skipped. Lowering the scale cannot fix this; likely causes are "
+        "NaN/Inf in the inputs or labels, a learning rate that is too high, or a layer "
+        "(softmax, loss, output) that must run in float32. Fix the data or model, or "
+        "lower min_scale."
+    )
+
+
+def later_variables(state: LossScale) -> list[list[Any]]:
+    """Per release after 0.1, the variables of `state` it added (a file from before lacks
+    them): the overflow attribution (0.2.0), then `OverflowGuard`'s counters (after 0.2.0)."""
+    return [state.attribution_variables(), [state.min_scale_overflows, state.longest_overflow_run]]
+
+
+def reset_longest_overflow_run(state: LossScale) -> None:
+    """Starts `state.longest_overflow_run` from 0 again (outside the step: `OverflowGuard` does
+    at `on_train_begin`); a run still going on counts whole at its next overflow."""
+    state.longest_overflow_run.assign(0)

@@ -9,13 +9,20 @@ the unit's transition. All state is variables; nothing that decides a step is Py
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tfmixprec._keras_compat import KerasLossScaleHooks, no_automatic_dependency_tracking
+from tfmixprec._keras_compat import (
+    KerasLossScaleHooks,
+    built_variables,
+    no_automatic_dependency_tracking,
+    set_compiled_optimizer,
+)
+from tfmixprec._layers import iter_layers
 from tfmixprec._validate import check_int_at_least_one, is_number
 from tfmixprec.accumulation import GradientAccumulator
 from tfmixprec.attribution import OverflowReport, build_report
@@ -24,8 +31,12 @@ from tfmixprec.loss_scale import (
     LossScaleConfig,
     all_finite,
     check,
+    format_scale,
+    later_variables,
+    min_scale_report,
     nonfinite_flags,
     read_now,
+    reset_longest_overflow_run,
 )
 
 __all__ = ["LossScaleOptimizer"]
@@ -41,6 +52,8 @@ STATE_NAMES = (
     "consecutive_overflows",
     "last_overflow_iteration",
     "iterations",
+    "min_scale_overflows",
+    "longest_overflow_run",
 )
 CONFIG_NAMES = (
     "initial_scale",
@@ -189,6 +202,14 @@ class _LossScaleReadout:
     last_overflow_scale = property(
         lambda self: self._loss_scale.last_overflow_scale, doc="The scale the last overflow used."
     )
+    min_scale_overflows = property(
+        lambda self: self._loss_scale.min_scale_overflows,
+        doc="Overflow steps at `min_scale` since the scale last grew.",
+    )
+    longest_overflow_run = property(
+        lambda self: self._loss_scale.longest_overflow_run,
+        doc="The longest run of consecutive overflow steps since `reset_longest_overflow_run()`.",
+    )
 
     def last_overflow_step(self) -> tf.Tensor:
         """The last overflow step (0-based, skipped steps counted), read in the graph."""
@@ -237,6 +258,11 @@ class _LossScaleReadout:
         last = int(self.last_overflow_step().numpy()) if overflows else -1
         return build_report(*self.overflow_sources(), overflows, last, model)
 
+    def reset_longest_overflow_run(self) -> None:
+        """Starts `longest_overflow_run` from 0 again (outside the step; `OverflowGuard` calls
+        it at `on_train_begin`, then reads the longest run at each check)."""
+        reset_longest_overflow_run(self._loss_scale)
+
     # ------------------------------------------------------------ reporting
     def check_min_scale(self) -> None:
         """Warns or raises (per `on_min_scale`) if a step overflowed at `min_scale`.
@@ -250,7 +276,7 @@ class _LossScaleReadout:
         """
         if self.on_min_scale == "ignore" or self._min_scale_reported:
             return
-        message = self._loss_scale.min_scale_report()
+        message = min_scale_report(self._loss_scale)
         if message is None:
             return
         self._min_scale_reported = True
@@ -265,16 +291,18 @@ class _LossScaleReadout:
 
     # ------------------------------------------------------------ serialization
     def load_own_variables(self, store: Any) -> None:
-        """Loads the variables of a `.keras` file. A file written before the overflow
-        attribution existed (tfmixprec 0.1: three fewer variables) loads too; the attribution
-        then starts empty."""
-        added = self._loss_scale.attribution_variables()
-        if added and len(store.keys()) == len(self.variables) - len(added):
-            skipped = {id(variable) for variable in added}
-            older = [v for v in self.variables if id(v) not in skipped]
-            for i, variable in enumerate(older):
-                variable.assign(store[str(i)])
-            return
+        """Loads the variables of a `.keras` file. A file written before a release that added
+        state variables loads too (tfmixprec 0.1: no overflow attribution; 0.2.0: no
+        `min_scale_overflows` / `longest_overflow_run`); what it lacks starts fresh."""
+        groups = later_variables(self._loss_scale)
+        for size in range(1, 2 ** len(groups)):  # every combination of missing groups
+            missing = [v for i, group in enumerate(groups) if size >> i & 1 for v in group]
+            if len(store.keys()) == len(self.variables) - len(missing):
+                skipped = {id(variable) for variable in missing}
+                older = [v for v in self.variables if id(v) not in skipped]
+                for i, variable in enumerate(older):
+                    variable.assign(store[str(i)])
+                return
         super().load_own_variables(store)
 
     def get_config(self) -> dict[str, Any]:
@@ -392,7 +420,8 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
             self._accumulator = GradientAccumulator(
                 self.accumulation_steps, self._state_variable, var_list
             )
-        self.inner_optimizer.build(var_list)
+        if not self.inner_optimizer.built:  # built already: adopted from Keras's optimizer
+            self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
     # ------------------------------------------------------------ loss scaling
@@ -498,6 +527,19 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         self._loss_scale.adjust(False, self.iterations, evidence)
 
     @classmethod
+    def from_keras(cls, keras_optimizer: Any, **kwargs: Any) -> LossScaleOptimizer:
+        """The tfmixprec equivalent of Keras's own `keras.optimizers.LossScaleOptimizer`: the
+        same inner optimizer object (its slots and `iterations` included), initial scale and
+        `dynamic_growth_steps`, and, if Keras's was built (used), built for the same variables
+        with its current scale and step counter. Create it in the strategy scope the model's
+        variables belong to. `kwargs` override the other constructor arguments.
+
+        Raises:
+            TypeError: If `keras_optimizer` is not Keras's own `LossScaleOptimizer`.
+        """
+        return _from_keras(cls, keras_optimizer, kwargs)
+
+    @classmethod
     def from_config(
         cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None
     ) -> LossScaleOptimizer:
@@ -507,3 +549,112 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
+
+
+def _from_keras(cls: type, keras_optimizer: Any, kwargs: dict[str, Any]) -> LossScaleOptimizer:
+    if not isinstance(keras_optimizer, keras.optimizers.LossScaleOptimizer) or isinstance(
+        keras_optimizer, LossScaleOptimizer
+    ):
+        raise TypeError(
+            "from_keras() converts Keras's own keras.optimizers.LossScaleOptimizer. Received: "
+            f"keras_optimizer of type {type(keras_optimizer).__module__}."
+            f"{type(keras_optimizer).__name__}"
+        )
+    scales = [float(keras_optimizer.initial_scale)]
+    if keras_optimizer.built:  # Keras's scale has no bounds: widen tfmixprec's to hold it
+        scales.append(float(keras_optimizer.dynamic_scale.numpy()))
+    settings = dict(
+        initial_scale=scales[0],
+        growth_interval=keras_optimizer.dynamic_growth_steps,
+        min_scale=min(1.0, *scales),
+        max_scale=max(2.0**24, *scales),
+        name=keras_optimizer.name,
+    )
+    new = cls(keras_optimizer.inner_optimizer, **{**settings, **kwargs})
+    if keras_optimizer.built:
+        with keras.name_scope(new.name, caller=new):
+            new.build(built_variables(keras_optimizer))
+        new.loss_scale.assign(keras_optimizer.dynamic_scale)
+        new.good_steps.assign(keras_optimizer.step_counter)
+    return new
+
+
+# Host-side, for reporting only: which lines were already said for a model (once per model).
+_SAID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _say_once(model: Any, kind: str, line: str, warn: bool = False) -> None:
+    said = _SAID.setdefault(model, set())
+    if kind in said:
+        return
+    said.add(kind)
+    if warn:
+        warnings.warn(line, RuntimeWarning, stacklevel=3)
+    else:
+        print(line)
+
+
+def _compute_dtype(model: Any) -> str:
+    """float16 if any layer computes in float16, else bfloat16 if any does, else float32."""
+    dtypes = {model.dtype_policy.compute_dtype}
+    dtypes.update(layer.dtype_policy.compute_dtype for layer in iter_layers(model))
+    return next((d for d in ("float16", "bfloat16") if d in dtypes), "float32")
+
+
+def _loss_scaling_of(model: Any) -> LossScaleOptimizer | None:
+    """The model's tfmixprec `LossScaleOptimizer`, or None (read outside `on_train_begin`)."""
+    optimizer = getattr(model, "optimizer", None)
+    return optimizer if isinstance(optimizer, LossScaleOptimizer) else None
+
+
+def _adopt_loss_scaling(model: Any, who: str) -> LossScaleOptimizer | None:
+    """For the callbacks' `on_train_begin`: the model's tfmixprec `LossScaleOptimizer`.
+
+    Keras's own `keras.optimizers.LossScaleOptimizer` is replaced by tfmixprec's (in the
+    model's strategy scope; the train step is traced again, so it uses the new one) and that
+    is said once per model. A plain optimizer gives None, with one line per model: no loss
+    scaling needed (bfloat16, float32), or a warning that float16 without it underflows.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, LossScaleOptimizer):
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return _adopt(model, optimizer, who)
+    dtype, name = _compute_dtype(model), type(optimizer).__name__
+    if dtype == "float16":
+        line = (
+            f"Model {model.name!r} computes in float16 but its optimizer ({name}) does not "
+            "scale the loss: gradients below 2**-24 flush to zero in float16 and their "
+            "weights stop learning. Compile with optimizer=tfmixprec.LossScaleOptimizer("
+            "your_optimizer), or set the mixed_float16 policy before building the model "
+            "(tfmixprec.set_policy or keras.mixed_precision.set_global_policy) so that "
+            f"compile() wraps it. {who} runs without loss-scale values."
+        )
+        _say_once(model, "float16", line, warn=True)
+        return None
+    why = ", which has float32's range (no gradient flushes to zero as in float16)"
+    line = (
+        f"tfmixprec: no loss scaling needed for model {model.name!r}: it computes in {dtype}"
+        f"{why if dtype == 'bfloat16' else ''}; the tfmixprec callbacks add no loss-scale values."
+    )
+    _say_once(model, "unscaled", line)
+    return None
+
+
+def _adopt(model: Any, keras_optimizer: Any, who: str) -> LossScaleOptimizer:
+    strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+    with strategy.scope():
+        new = LossScaleOptimizer.from_keras(keras_optimizer)
+    model.optimizer = new
+    set_compiled_optimizer(model, new)  # so model.save writes the new one
+    model.make_train_function(force=True)  # traced with the new optimizer
+    carried = "; its state carried over" if keras_optimizer.built else ""
+    line = (
+        f"tfmixprec: {who} replaced the keras.optimizers.LossScaleOptimizer of model "
+        f"{model.name!r} with a tfmixprec.LossScaleOptimizer (the same "
+        f"{type(new.inner_optimizer).__name__}, loss scale "
+        f"{format_scale(float(new.loss_scale.numpy()))}, dynamic_growth_steps="
+        f"{new.growth_interval}{carried}) to read and guard the loss scale."
+    )
+    _say_once(model, f"adopted {id(keras_optimizer)}", line)
+    return new

@@ -15,10 +15,11 @@ from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
 from tfmixprec._keras_compat import tensorboard_batch_work, tensorboard_step, tensorboard_writer
 from tfmixprec.attribution import overflow_report
-from tfmixprec.callbacks import _Diagnoser, _loss_scale_optimizer_of
+from tfmixprec.callbacks import _Diagnoser
 from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.gradient_range import GradientRangeMonitor
 from tfmixprec.loss_scale import LOG_KEYS
+from tfmixprec.optimizer import _adopt_loss_scaling, _loss_scaling_of
 
 __all__ = ["TensorBoard", "dashboard_layout"]  # what the package exports
 
@@ -204,9 +205,9 @@ class TensorBoard(keras.callbacks.TensorBoard):
             self.gradient_monitor.set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        opt = _adopt_loss_scaling(self.model, "tfmixprec.TensorBoard")
         super().on_train_begin(logs)
-        opt = _loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
-        self._last_overflow_total = opt.read_state()["overflow_steps"]
+        self._last_overflow_total = opt.read_state()["overflow_steps"] if opt is not None else 0
         self._diagnoser.start(self.model)
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
@@ -217,8 +218,8 @@ class TensorBoard(keras.callbacks.TensorBoard):
     def on_train_end(self, logs: dict | None = None) -> None:
         self._diagnoser.stop(self.model)
         if self.update_freq != "epoch":  # overflows after the last write: written now
-            opt = _loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
-            if opt.read_state()["overflow_steps"] > self._last_overflow_total:
+            opt = _loss_scaling_of(self.model)
+            if opt is not None and opt.read_state()["overflow_steps"] > self._last_overflow_total:
                 self._write(tensorboard_step(self))
         super().on_train_end(logs)
 
@@ -247,7 +248,10 @@ class TensorBoard(keras.callbacks.TensorBoard):
             self._write(epoch)
 
     def _write(self, step: int) -> None:
-        opt = _loss_scale_optimizer_of(self.model, "tfmixprec.TensorBoard")
+        opt = _loss_scaling_of(self.model)
+        if opt is None:  # no loss scaling: only the gradient range, if measured
+            self._write_gradients(step)
+            return
         state = opt.read_state()
         total = state["overflow_steps"]
         with tensorboard_writer(self).as_default(), tf.summary.record_if(True):

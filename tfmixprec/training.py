@@ -20,7 +20,7 @@ from keras import ops
 from tfmixprec import cpu_float16
 from tfmixprec._keras_compat import Functional, functional_init_arguments
 from tfmixprec._layers import iter_layers
-from tfmixprec.callbacks import _FitWatch
+from tfmixprec.callbacks import _FitWatch, _ProgressBar
 from tfmixprec.diagnosis import OverflowBatches
 from tfmixprec.loss_scale import default_config
 from tfmixprec.optimizer import LossScaleOptimizer
@@ -86,12 +86,7 @@ def _ensure_loss_scale_optimizer(
                 "state exists). Pass its inner optimizer, or a tfmixprec.LossScaleOptimizer. "
                 f"Received: optimizer={optimizer!r}"
             )
-        return LossScaleOptimizer(
-            optimizer.inner_optimizer,
-            initial_scale=optimizer.initial_scale,
-            growth_interval=optimizer.dynamic_growth_steps,
-            accumulation_steps=accumulation_steps,
-        )
+        return LossScaleOptimizer.from_keras(optimizer, accumulation_steps=accumulation_steps)
     config = default_config(loss_scaling == "dynamic" or (loss_scaling == "auto" and float16))
     return LossScaleOptimizer(
         optimizer,
@@ -141,13 +136,16 @@ def _with_accumulation(optimizer: LossScaleOptimizer, steps: int) -> LossScaleOp
 
 def _with_fit_watch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """`fit`'s arguments with a `_FitWatch` first among the callbacks (positional or not), so
-    that every other callback, History and the progress bar see the epoch's overflow count. A
+    that every other callback, History and the progress bar see the epoch's overflow count, and
+    tfmixprec's `_ProgressBar` last unless the caller gave a progress bar. A
     `keras.callbacks.CallbackList` the caller built is used as it is."""
     positional = len(args) > 5  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
     callbacks = args[5] if positional else kwargs.get("callbacks")
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return args, kwargs
     callbacks = [_FitWatch(), *(callbacks or [])]
+    if not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
+        callbacks.append(_ProgressBar())  # last: it shows what the others added
     if positional:
         return (*args[:5], callbacks, *args[6:]), kwargs
     return args, {**kwargs, "callbacks": callbacks}
