@@ -2,6 +2,7 @@
 
 import importlib
 import json
+import zipfile
 
 import keras
 import pytest
@@ -94,11 +95,11 @@ def test_conv_embedding_attention_alignment():
     assert ("embed", "Pad embedding dimension (output_dim) to 56.") in messages
     assert ("embed", "Pad vocabulary size (input_dim) to 1008.") in messages
     assert ("mha", "Pad head size (key_dim) to 16.") in messages
-    # bfloat16 needs no loss scaling and the output is float32, but the attention layer's
-    # own Softmax follows the layer's bfloat16 policy: flagged.
-    assert [(f.code, f.layer.startswith("softmax")) for f in report.errors] == [
-        ("low-precision-softmax", True)
-    ]
+    # bfloat16 needs no loss scaling and the output is float32; the attention layer (dropout
+    # 0) takes Keras's fused path, whose softmax is float32: its own Softmax never runs.
+    assert report.errors == []
+    # Its inner EinsumDense layers are not reported again (the attention layer says it).
+    assert {f.layer for f in report.warnings} == {"conv", "embed", "mha"}
 
 
 def test_float16_model_with_plain_optimizer():
@@ -127,7 +128,9 @@ def test_on_a_cpu_says_which_float16_layers_run_slow_kernels_until_routed():
 
 def test_warns_of_xla_with_bfloat16_on_a_cpu():
     tfmixprec.set_policy("mixed_bfloat16")
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, dtype="float32")])
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(8, dtype="float32")]
+    )
     model.compile(optimizer="sgd", loss="mse", jit_compile=True)
     (finding,) = tfmixprec.audit(model, hardware=CPU_ONLY).findings
     assert (finding.severity, finding.code) == ("warning", "xla-bfloat16-cpu")
@@ -153,7 +156,7 @@ def test_policy_override_audits_float32_model_for_mixed():
     model = keras.Sequential(
         [keras.Input((8,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(4, name="b")]
     )
-    assert tfmixprec.audit(model).findings == []
+    assert [f.code for f in tfmixprec.audit(model).findings] == ["float32-model"]
     report = tfmixprec.audit(model, policy="mixed_float16")
     assert report.policy == "mixed_float16"
     assert ("error", "low-precision-output", "b") in _codes(report)
@@ -201,7 +204,232 @@ def test_a_layer_check_added_to_the_table_runs_on_every_leaf_layer(monkeypatch):
     inner = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="inner")])
     model = keras.Sequential([keras.Input((8,)), inner, keras.layers.Dense(8, name="outer")])
     report = tfmixprec.audit(model, hardware=A100)
-    assert [(f.code, f.layer, f.message) for f in report.findings] == [
+    assert [(f.code, f.layer, f.message) for f in report.findings][:2] == [
         ("has-bias", "inner", "has a bias in float32"),
         ("has-bias", "outer", "has a bias in float32"),
     ]
+    assert [f.code for f in report.findings][2:] == ["float32-model"]
+
+
+# Saved files: audited as they were saved, the same as the model in memory.
+
+
+def _float16_classifier(**compile_kwargs):
+    tfmixprec.set_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu", name="hidden"),
+            keras.layers.Dense(8, name="logits"),
+            keras.layers.Softmax(name="probs", dtype="float32"),
+        ],
+        name="classifier",
+    )
+    model.compile(optimizer="sgd", loss="mse", **compile_kwargs)
+    keras.config.set_dtype_policy("float32")  # as in a process that loads the file
+    return model
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_saved_model_audits_as_the_model_in_memory(tmp_path, scaled, recwarn):
+    model = _float16_classifier(**({} if scaled else {"auto_scale_loss": False}))
+    model.save(tmp_path / "m.keras")
+    in_memory = tfmixprec.audit(model, hardware=A100)
+    from_file = tfmixprec.audit(str(tmp_path / "m.keras"), hardware=A100)
+    assert from_file.findings == in_memory.findings
+    assert from_file.layers == in_memory.layers
+    assert from_file.policy == in_memory.policy == "mixed_float16"
+    expected = [] if scaled else [("error", "no-loss-scaling", None)]
+    assert _codes(from_file) == expected
+    assert keras.config.dtype_policy().name == "float32"  # the global policy is back
+    assert not [w for w in recwarn if "Skipping variable loading" in str(w.message)]
+
+
+def test_an_explicit_float32_layer_stays_float32_under_any_policy(tmp_path):
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(8, name="a"),
+            keras.layers.Dense(8, name="b"),
+            keras.layers.Dense(8, activation="softmax", dtype="float32", name="probs"),
+        ]
+    )
+    model.save(tmp_path / "m.keras")
+    for audited in (model, tmp_path / "m.keras"):
+        report = tfmixprec.audit(audited, policy="mixed_float16")
+        assert _codes(report) == [("info", "not-compiled", None)]
+        assert [x.compute_dtype for x in report.layers] == ["float16", "float16", "float32"]
+
+
+def test_a_float32_model_says_what_the_recommended_policy_would_find():
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(3, name="b")]
+    )
+    (finding,) = tfmixprec.audit(model, hardware=A100).findings
+    assert (finding.severity, finding.code, finding.layer) == ("info", "float32-model", None)
+    assert finding.message == (
+        "the model computes in float32 only: no mixed precision yet. Under mixed_bfloat16, the "
+        "policy recommended for this machine, the audit finds 1 error, 1 warning: "
+        "low-precision-output [b] (error), tensor-core-alignment [b] (warning)."
+    )
+    assert finding.fix.startswith(
+        "Audit it under that policy for the details (tfmixprec.audit(model, "
+        "policy='mixed_bfloat16'), or tfmixprec audit FILE --policy mixed_bfloat16)"
+    )
+    (finding,) = tfmixprec.audit(model, hardware=CPU_ONLY).findings
+    assert finding.message.startswith(
+        "the model computes in float32 only, the policy recommended for this machine: no GPU"
+    )
+    text = str(tfmixprec.audit(model, policy="float32"))
+    assert "No findings: the model computes in float32 (policy float32)." in text
+    assert "ready for mixed precision" not in text
+
+
+def _attention_model(dropout=0.0, scores=False):
+    tfmixprec.set_policy("mixed_bfloat16")
+    tokens = keras.Input((5, 16))
+    attention = keras.layers.MultiHeadAttention(2, 8, dropout=dropout, name="mha")
+    out = attention(tokens, tokens, return_attention_scores=scores)
+    out = out[0] if scores else out
+    return keras.Model(tokens, keras.layers.Dense(8, dtype="float32", name="out")(out))
+
+
+@pytest.mark.parametrize(
+    "kwargs, why",
+    [
+        ({}, None),
+        ({"dropout": 0.1}, "dropout=0.1"),
+        ({"scores": True}, "it is called with return_attention_scores=True"),
+    ],
+)
+def test_attention_softmax_is_reported_where_keras_runs_it(kwargs, why):
+    report = tfmixprec.audit(_attention_model(**kwargs), hardware=A100)
+    if why is None:  # the fused path: softmax in float32
+        assert report.findings == []
+        return
+    (finding,) = report.findings
+    assert (finding.code, finding.layer.startswith("softmax")) == ("low-precision-softmax", True)
+    assert finding.message == (
+        f"MultiHeadAttention 'mha' computes its attention softmax with this layer ({why}), in "
+        "bfloat16: it saturates and loses small probabilities."
+    )
+
+
+def test_attention_in_a_subclassed_model_is_information():
+    class Block(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.attention = keras.layers.MultiHeadAttention(2, 8)
+            self.out = keras.layers.Dense(8, dtype="float32")
+
+        def call(self, x):
+            return self.out(self.attention(x, x))
+
+    tfmixprec.set_policy("mixed_bfloat16")
+    model = Block()
+    model(keras.ops.zeros((1, 5, 16)))
+    (finding,) = tfmixprec.audit(model, hardware=A100).findings
+    assert (finding.severity, finding.code) == ("info", "attention-softmax")
+    assert "computes its softmax in float32 on Keras's fused path" in finding.message
+
+
+def test_separable_conv_and_einsum_dense_alignment():
+    tfmixprec.set_policy("mixed_float16")
+    image = keras.Input((8, 8, 3))
+    conv = keras.layers.SeparableConv2D(12, 3, depth_multiplier=2, name="sep")(image)
+    flat = keras.layers.Flatten()(conv)
+    dense = keras.layers.EinsumDense("ab,bc->ac", output_shape=20, name="einsum")(flat)
+    model = keras.Model(image, keras.layers.Dense(8, dtype="float32", name="out")(dense))
+    fixes = [(f.layer, f.fix) for f in tfmixprec.audit(model, hardware=A100).warnings]
+    assert fixes == [
+        ("sep", "Pad filters to 16."),
+        ("sep", "Pad pointwise input channels to 8."),
+        ("einsum", "Pad output size (equation dimension 'c') to 24."),
+    ]
+
+
+def test_a_subclassed_model_with_dict_inputs():
+    class TwoInputs(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a = keras.layers.Dense(8, name="a")
+            self.b = keras.layers.Dense(8, name="b")
+            self.out = keras.layers.Dense(8, name="out")
+
+        def call(self, inputs):
+            return self.out(self.a(inputs["x"]) + self.b(inputs["y"]))
+
+    tfmixprec.set_policy("mixed_float16")
+    model = TwoInputs()
+    model({"x": keras.ops.zeros((2, 3)), "y": keras.ops.zeros((2, 5))})
+    report = tfmixprec.audit(model, hardware=A100)
+    assert _codes(report)[0] == ("error", "low-precision-output", "out")
+
+
+def test_files_that_cannot_be_audited(tmp_path):
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "saved_model.pb").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"saved' is a TensorFlow SavedModel directory, not a"):
+        tfmixprec.audit(tmp_path / "saved")
+    with pytest.raises(ValueError, match=r"is a directory, not a model file"):
+        tfmixprec.audit(tmp_path)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
+    model.save_weights(tmp_path / "m.weights.h5")
+    with pytest.raises(ValueError, match=r"is an HDF5 file without a model \(weights only"):
+        tfmixprec.audit(tmp_path / "m.weights.h5")
+    with pytest.raises(TypeError, match=r"audit expects a keras.Model.*builtins.int"):
+        tfmixprec.audit(3)
+
+
+def test_a_legacy_h5_model_is_audited(tmp_path):
+    model = _float16_classifier()
+    model.save(tmp_path / "m.h5")
+    report = tfmixprec.audit(tmp_path / "m.h5", hardware=A100)
+    assert report.policy == "mixed_float16"
+    assert report.findings == tfmixprec.audit(model, hardware=A100).findings == []
+
+
+def _lambda_file(tmp_path):
+    marker = tmp_path / "ran"
+    tokens = keras.Input((4,))
+    # A lambda with the path inside its bytecode (Keras cannot load a lambda's defaults).
+    payload = eval(f"lambda x: (open({str(marker)!r}, 'w').close(), x)[1]")
+    out = keras.layers.Lambda(payload, name="payload")(tokens)
+    keras.Model(tokens, out).save(tmp_path / "code.keras")
+    marker.unlink()  # building the model called it
+    return marker
+
+
+def test_a_file_with_code_is_refused_and_its_code_never_runs(tmp_path):
+    marker = _lambda_file(tmp_path)
+    with pytest.raises(ValueError) as caught:
+        tfmixprec.audit(tmp_path / "code.keras")
+    assert str(caught.value) == (
+        f"{str(tmp_path / 'code.keras')!r} holds code: layer 'payload' (Lambda) is a Python "
+        "lambda stored as bytecode, which runs when the model is loaded or called. tfmixprec "
+        "audit never runs code from a model file. If you trust the file, audit it in Python: "
+        "tfmixprec.audit(keras.models.load_model(path, safe_mode=False))."
+    )
+    assert not marker.exists()
+    keras.models.load_model(tmp_path / "code.keras", safe_mode=False)  # the file is real
+    assert marker.exists()
+
+
+def test_a_file_naming_outside_code_is_refused(tmp_path):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="d")])
+    model.save(tmp_path / "m.keras")
+    with zipfile.ZipFile(tmp_path / "m.keras") as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    config = json.loads(members["config.json"])
+    config["config"]["layers"][1]["module"] = "evil.layers"
+    config["config"]["layers"][1]["class_name"] = "Payload"
+    members["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(tmp_path / "evil.keras", "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    with pytest.raises(
+        ValueError,
+        match=r"needs code from outside Keras and tfmixprec: layer "
+        r"'d' \(Payload\) is class 'Payload' from module 'evil.layers'",
+    ):
+        tfmixprec.audit(tmp_path / "evil.keras")

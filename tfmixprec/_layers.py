@@ -78,7 +78,8 @@ def output_layers(model: keras.Model) -> list[Any]:
         List of layers, each once, in the order of the model's outputs.
 
     Raises:
-        ValueError: For a subclassed model not built from a single input shape.
+        ValueError: For a subclassed model not built from one input (a tensor, a list or a
+            dict of tensors).
     """
     found: list[Any] = []
 
@@ -113,10 +114,15 @@ def _probe_output_layers(model: keras.Model) -> list[Any]:
     if not shapes or len(shapes) != 1:
         raise ValueError(
             f"Cannot find the output layers of subclassed model {model.name!r}: it was not "
-            "built from a single input shape. Build it with model.build(input_shape) or call "
-            "it on one batch first."
+            "built from one input (a tensor, a list or a dict of tensors). Build it with "
+            "model.build(input_shape) or call it on one batch first."
         )
-    shape = [1 if dim is None else dim for dim in next(iter(shapes.values()))]
+    # One batch of zeros in the structure the model was built with (a shape, or a dict or
+    # list of shapes), None dimensions as 1.
+    inputs = keras.tree.map_shape_structure(
+        lambda shape: np.zeros([1 if dim is None else dim for dim in shape], "float32"),
+        next(iter(shapes.values())),
+    )
     produced: dict[int, tuple[Any, Any]] = {}  # id -> (layer, tensor kept alive)
 
     def record(layer: Any, args: tuple, result: Any) -> None:
@@ -124,7 +130,7 @@ def _probe_output_layers(model: keras.Model) -> list[Any]:
             produced[id(tensor)] = (layer, tensor)
 
     with watch_leaf_calls(model, record):
-        result = model(np.zeros(shape, "float32"), training=False)
+        result = model(inputs, training=False)
     layers = []
     for tensor in keras.tree.flatten(result):
         layer, _ = produced.get(id(tensor), (None, None))

@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 
 from tfmixprec import cpu_float16
+from tfmixprec._keras_compat import recorded_call_kwargs
 from tfmixprec._layers import check_built_model, is_container, iter_layers, output_layers
+from tfmixprec._model_file import load_model_file
 from tfmixprec._text import markdown_table
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 from tfmixprec.policy import LOW_PRECISION, _check_policy_name, choose_policy, float32_reason
@@ -125,8 +128,10 @@ class AuditReport:
                 where = f" [{f.layer}]" if f.layer else ""
                 lines.append(f"{f.severity.upper():7} {f.code}{where}: {f.message}")
                 lines.append(f"        fix: {f.fix}")
-        else:
+        elif any(layer.compute_dtype in LOW_PRECISION for layer in self.layers):
             lines.append("No findings: the model is ready for mixed precision.")
+        else:
+            lines.append(f"No findings: the model computes in float32 (policy {self.policy}).")
         lines.append("")
         lines.append(f"Summary: {self._summary()}")
         return "\n".join(lines)
@@ -149,6 +154,11 @@ def _sizes_to_align(layer: Any) -> list[tuple[str, int]]:
         sizes.append(("head size (key_dim)", layer.key_dim))
         if layer.value_dim and layer.value_dim != layer.key_dim:
             sizes.append(("value head size (value_dim)", layer.value_dim))
+    elif isinstance(layer, keras.layers.EinsumDense):
+        sizes += _einsum_sizes(layer)
+    elif hasattr(layer, "pointwise_kernel"):  # SeparableConv1D/2D: a 1x1 convolution last
+        sizes.append(("filters", layer.filters))
+        sizes.append(("pointwise input channels", int(layer.pointwise_kernel.shape[-2])))
     elif hasattr(layer, "filters") and hasattr(layer, "kernel_size") and hasattr(layer, "kernel"):
         sizes.append(("filters", layer.filters))
         kernel = layer.kernel.shape
@@ -156,6 +166,20 @@ def _sizes_to_align(layer: Any) -> list[tuple[str, int]]:
         groups = getattr(layer, "groups", 1) or 1
         in_channels = int(kernel[-1]) if transpose else int(kernel[-2]) * groups
         sizes.append(("input channels", in_channels))
+    return sizes
+
+
+def _einsum_sizes(layer: Any) -> list[tuple[str, int]]:
+    """An `EinsumDense`'s matmul sizes: its kernel's contracted and output dimensions (those
+    in every operand, e.g. attention heads, are batch dimensions of the product)."""
+    inputs, rest = layer.equation.replace("...", "").split(",")
+    kernel, output = rest.split("->")
+    sizes = []
+    for letter, size in zip(kernel, layer.kernel.shape):
+        if letter in inputs and letter not in output:
+            sizes.append((f"input features (equation dimension {letter!r})", int(size)))
+        elif letter in output and letter not in inputs:
+            sizes.append((f"output size (equation dimension {letter!r})", int(size)))
     return sizes
 
 
@@ -171,6 +195,12 @@ class _AuditContext:
         output_ids: Frozenset of ints. The `id()`s of the layers that produce model outputs.
         hardware: `HardwareInfo` or None. The machine for machine findings; None when auditing
             under another policy (no machine findings then).
+        followers: Frozenset of ints. The `id()`s of the policy objects that follow the
+            model's own policy (a layer built with `dtype=` has a policy object of its own).
+        attention: Dict. `id(softmax layer) -> (attention layer, when it runs)` for the
+            `Softmax` inside each `MultiHeadAttention` (see `_attention_softmax_use`).
+        in_attention: Frozenset of ints. The `id()`s of the layers inside a
+            `MultiHeadAttention` (the attention layer reports their sizes itself).
     """
 
     model_policy: str
@@ -178,6 +208,9 @@ class _AuditContext:
     layers: tuple[Any, ...]
     output_ids: frozenset[int]
     hardware: HardwareInfo | None
+    followers: frozenset[int] = frozenset()
+    attention: dict[int, tuple[Any, str | None]] = dataclasses.field(default_factory=dict)
+    in_attention: frozenset[int] = frozenset()
 
     @property
     def leaves(self) -> list[Any]:
@@ -190,8 +223,9 @@ class _AuditContext:
         return self.hardware is not None and not (self.hardware.gpus or self.hardware.tpus)
 
     def policy_of(self, layer: Any) -> keras.DTypePolicy:
-        """The policy audited for `layer`: `policy` where it follows the model's own."""
-        if self.policy is not None and layer.dtype_policy.name == self.model_policy:
+        """The policy audited for `layer`: `policy` where it follows the model's own (a layer
+        built with a `dtype=` of its own keeps it under any policy)."""
+        if self.policy is not None and id(layer.dtype_policy) in self.followers:
             return keras.DTypePolicy(self.policy)
         return layer.dtype_policy
 
@@ -212,8 +246,57 @@ def _low_precision_softmax(layer: Any, context: _AuditContext) -> list[Finding]:
     reason = float32_reason(layer)
     if compute not in LOW_PRECISION or reason is None:
         return []
+    if id(layer) in context.attention:
+        return _attention_softmax(layer, compute, *context.attention[id(layer)])
     message = f"{reason} computed in {compute}: it saturates and loses small probabilities."
     return [Finding("error", "low-precision-softmax", layer.name, message, _FLOAT32_FIX)]
+
+
+_UNKNOWN_CALLS = "unknown"
+
+
+def _attention_softmax_use(attention: Any) -> str | None:
+    """Why Keras computes `attention`'s softmax with its own `Softmax` layer, or None when it
+    never does (`_UNKNOWN_CALLS` when the model's code does not show how it is called).
+
+    Keras's `MultiHeadAttention._compute_attention` (TensorFlow backend) uses the fused
+    `ops.dot_product_attention`, which casts the scores to float32 and computes the softmax
+    in float32, unless the layer has dropout, attends over more than one axis, or is called
+    with `return_attention_scores=True`: then its `Softmax` layer runs, in the layer's dtype.
+    """
+    if attention.dropout > 0:
+        return f"dropout={attention.dropout}"
+    axes = attention.attention_axes
+    if axes is not None and len(axes) > 1:
+        return f"attention over axes {tuple(axes)}"
+    calls = recorded_call_kwargs(attention)
+    if calls is None:
+        return _UNKNOWN_CALLS
+    if any(kwargs.get("return_attention_scores") for kwargs in calls):
+        return "it is called with return_attention_scores=True"
+    return None
+
+
+def _attention_softmax(layer: Any, compute: str, attention: Any, use: str | None) -> list[Finding]:
+    """The finding for the `Softmax` inside a `MultiHeadAttention`: an error where it runs."""
+    name = f"MultiHeadAttention {attention.name!r}"
+    if use is None:
+        return []  # the fused path: softmax in float32
+    if use != _UNKNOWN_CALLS:
+        message = (
+            f"{name} computes its attention softmax with this layer ({use}), in {compute}: "
+            "it saturates and loses small probabilities."
+        )
+        return [Finding("error", "low-precision-softmax", layer.name, message, _FLOAT32_FIX)]
+    message = (
+        f"{name} computes its softmax in float32 on Keras's fused path (no dropout, one "
+        f"attention axis); only a call with return_attention_scores=True runs this {compute} "
+        "Softmax layer instead, and a subclassed model's calls cannot be seen here."
+    )
+    fix = "None needed; if the model calls it with return_attention_scores=True: " + (
+        _FLOAT32_FIX[0].lower() + _FLOAT32_FIX[1:]
+    )
+    return [Finding("info", "attention-softmax", layer.name, message, fix)]
 
 
 def _low_precision_output(layer: Any, context: _AuditContext) -> list[Finding]:
@@ -228,7 +311,7 @@ def _low_precision_output(layer: Any, context: _AuditContext) -> list[Finding]:
 
 def _tensor_core_alignment(layer: Any, context: _AuditContext) -> list[Finding]:
     compute = context.compute_dtype(layer)
-    if compute not in LOW_PRECISION:
+    if compute not in LOW_PRECISION or id(layer) in context.in_attention:
         return []
     return [
         Finding(
@@ -317,6 +400,47 @@ def _xla_bfloat16_cpu(model: keras.Model, context: _AuditContext) -> list[Findin
     return [Finding("warning", "xla-bfloat16-cpu", None, message, fix)]
 
 
+def _float32_model(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    """`float32-model` (info): the model, as it is, computes in float32 only; what the audit
+    finds under the policy recommended for this machine (`choose_policy`)."""
+    leaves = context.leaves
+    if context.hardware is None or not leaves:
+        return []
+    if any(context.compute_dtype(layer) in LOW_PRECISION for layer in leaves):
+        return []
+    choice = choose_policy(context.hardware)
+    if choice.name == "float32":
+        message = (
+            "the model computes in float32 only, the policy recommended for this machine: "
+            f"{choice.reason}"
+        )
+        fix = (
+            "None needed here. For a GPU, audit it under the policy to use there: "
+            "policy='mixed_float16' or 'mixed_bfloat16' (tfmixprec audit FILE --policy ...)."
+        )
+        return [Finding("info", "float32-model", None, message, fix)]
+    found = _run_checks(model, dataclasses.replace(context, policy=choice.name, hardware=None))
+    shown = [f"{f.code} [{f.layer or 'model'}] ({f.severity})" for f in found]
+    what = "nothing to change" if not found else f"{_count(found)}: " + ", ".join(shown[:5])
+    message = (
+        f"the model computes in float32 only: no mixed precision yet. Under {choice.name}, "
+        f"the policy recommended for this machine, the audit finds {what}"
+        f"{', ...' if len(shown) > 5 else ''}."
+    )
+    fix = (
+        f"Audit it under that policy for the details (tfmixprec.audit(model, "
+        f"policy={choice.name!r}), or tfmixprec audit FILE --policy {choice.name}), then build "
+        f"it under tfmixprec.set_policy({choice.name!r})."
+    )
+    return [Finding("info", "float32-model", None, message, fix)]
+
+
+def _count(findings: Sequence[Finding]) -> str:
+    """`"1 error, 2 warnings"`: the severities present, in order."""
+    counts = [(s, sum(f.severity == s for f in findings)) for s in SEVERITIES]
+    return ", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts if n)
+
+
 _Check = Callable[[Any, _AuditContext], list[Finding]]
 
 # Every check `audit` runs, one row each: ("layer", check) runs `check(layer, context)` on each
@@ -330,13 +454,47 @@ CHECKS: tuple[tuple[str, _Check], ...] = (
     ("model", _loss_scaling),  # not-compiled / no-loss-scaling
     ("model", _cpu_float16_kernels),
     ("model", _xla_bfloat16_cpu),
+    ("model", _float32_model),  # float32-model: what the recommended policy would find
 )
 
 
+def _followers(model: keras.Model, layers: Sequence[Any]) -> frozenset[int]:
+    """The `id()`s of the policy objects that follow the model's own policy.
+
+    A layer built without `dtype=` holds the very policy object that was global when it was
+    built, the model's own; one built with `dtype=` holds an object of its own. Where no layer
+    holds the model's object (a model loaded by `keras.models.load_model`: every layer gets
+    its own), layers whose policy has the model's policy's name count as following it.
+    """
+    own = model.dtype_policy
+    if any(layer.dtype_policy is own for layer in layers):
+        return frozenset([id(own)])
+    return frozenset(id(lyr.dtype_policy) for lyr in layers if lyr.dtype_policy.name == own.name)
+
+
+def _attention_parts(layers: Sequence[Any]) -> tuple[dict[int, tuple[Any, str | None]], set[int]]:
+    """For each `MultiHeadAttention`: its `Softmax` (and when it runs), and its inner layers."""
+    softmaxes: dict[int, tuple[Any, str | None]] = {}
+    inner: set[int] = set()
+    for attention in layers:
+        if not isinstance(attention, keras.layers.MultiHeadAttention):
+            continue
+        use = _attention_softmax_use(attention)
+        for part in iter_layers(attention):
+            inner.add(id(part))
+            if isinstance(part, keras.layers.Softmax):
+                softmaxes[id(part)] = (attention, use)
+    return softmaxes, inner
+
+
 def _context(
-    model: keras.Model, policy: str | None, hardware: HardwareInfo | None
+    model: keras.Model,
+    policy: str | None,
+    hardware: HardwareInfo | None,
+    followers: frozenset[int] | None = None,
 ) -> _AuditContext:
-    """Checks `audit`'s arguments and gathers what the checks read."""
+    """Checks `audit`'s arguments and gathers what the checks read (`followers`: see
+    `_followers`; a saved model's are read from its file)."""
     if policy is not None:
         policy = _check_policy_name(policy)
         if policy == "auto":
@@ -345,13 +503,17 @@ def _context(
     machine = None
     if policy is None:  # the model as it is, on this machine
         machine = detect_hardware() if hardware is None else hardware
-    layers = iter_layers(model)
+    layers = [lyr for lyr in iter_layers(model) if not isinstance(lyr, keras.layers.InputLayer)]
+    softmaxes, inner = _attention_parts(layers)
     return _AuditContext(
         model_policy=model.dtype_policy.name,
         policy=policy,
-        layers=tuple(lyr for lyr in layers if not isinstance(lyr, keras.layers.InputLayer)),
+        layers=tuple(layers),
         output_ids=frozenset(id(layer) for layer in output_layers(model)),
         hardware=machine,
+        followers=_followers(model, layers) if followers is None else followers,
+        attention=softmaxes,
+        in_attention=frozenset(inner),
     )
 
 
@@ -379,7 +541,9 @@ def _layer_dtypes(layer: Any, context: _AuditContext) -> LayerDtypes:
 
 
 def audit(
-    model: keras.Model, policy: str | None = None, hardware: HardwareInfo | None = None
+    model: keras.Model | str | os.PathLike,
+    policy: str | None = None,
+    hardware: HardwareInfo | None = None,
 ) -> AuditReport:
     """Checks a built model for mixed-precision problems.
 
@@ -387,10 +551,18 @@ def audit(
     bfloat16 (error); Dense/Conv/Embedding/attention sizes that are not multiples of 8 in
     float16/bfloat16 layers (warning, with the padded size); a float16 model compiled without
     a LossScaleOptimizer (error; info if not compiled); variables stored in float16/bfloat16
-    (error: master weights must stay float32).
+    (error: master weights must stay float32). A `MultiHeadAttention`'s own `Softmax` counts
+    only where Keras runs it (dropout, several attention axes, `return_attention_scores=True`);
+    its fused path computes the softmax in float32. A model that computes in float32 only gets
+    a `float32-model` info: what the audit finds under `choose_policy()`'s recommendation.
 
     Args:
-        model: `keras.Model`. A built model.
+        model: `keras.Model` (a built model), or the path of a saved `.keras` (or legacy
+            `.h5`) file. A file is read as it was saved: loaded under its model's own policy,
+            compiled as Keras compiled it (its saved optimizer says whether Keras wrapped it
+            in a `LossScaleOptimizer`), and never with code from the file: a file that holds
+            code (a `Lambda` layer's bytecode) or needs classes from outside Keras and
+            tfmixprec is refused.
         policy: String. Audit as if the model had been built under this policy (`"auto"`
             allowed): layers that follow the model's own policy are assumed to follow this
             one; layers with a policy of their own keep it. `None` audits the model as it is,
@@ -401,15 +573,19 @@ def audit(
         An `AuditReport`.
 
     Raises:
-        TypeError: If `model` is not a `keras.Model`.
-        ValueError: If the model is not built, or `policy` is unknown.
+        TypeError: If `model` is not a `keras.Model` or a path.
+        ValueError: If the model is not built, `policy` is unknown, or the file cannot be
+            audited (missing, a directory, not a model, holds code, does not load).
 
     Example:
 
     >>> report = tfmixprec.audit(model)
     >>> print(report)
     """
-    context = _context(model, policy, hardware)
+    followers = None
+    if isinstance(model, (str, os.PathLike)):
+        model, followers = load_model_file(model)
+    context = _context(model, policy, hardware, followers)
     return AuditReport(
         model=model.name,
         policy=context.policy or context.model_policy,
