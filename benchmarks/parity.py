@@ -33,7 +33,7 @@ import keras  # noqa: E402
 
 import tfmixprec  # noqa: E402
 from tfmixprec.bench import describe_machine  # noqa: E402
-from tfmixprec.cli import load_digits_split  # noqa: E402
+from tfmixprec.datasets import load_digits  # noqa: E402
 
 UNDERFLOW = 2.0**-27
 COLUMNS = {
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"TensorFlow {machine['tensorflow']}, Keras {machine['keras']}; seeds={args.seeds} "
         f"epochs={args.epochs}"
     )
-    data = load_digits_split()
+    data = load_digits()
     if args.train_size:
         (x_train, y_train), test = data
         data = ((x_train[: args.train_size], y_train[: args.train_size]), test)

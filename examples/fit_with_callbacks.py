@@ -19,12 +19,12 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfmixprec  # noqa: E402
-from tfmixprec.cli import load_digits_split  # noqa: E402
+from tfmixprec.datasets import load_digits  # noqa: E402
 
 
 def load_data():
     """The digits split, flattened, with one NaN in the training data."""
-    (x, y), (x_test, y_test) = load_digits_split()
+    (x, y), (x_test, y_test) = load_digits()
     x, x_test = x.reshape(len(x), -1), x_test.reshape(len(x_test), -1)
     x = x.copy()
     x[70, 3] = np.nan  # one corrupt sample: batch 2 of the first epoch overflows

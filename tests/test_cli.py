@@ -60,9 +60,30 @@ def saved_models(tmp_path_factory):
         )
         clean.compile(optimizer=tfmixprec.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse")
         clean.save(folder / "clean.keras")
+        # Keras wraps "sgd" in its own LossScaleOptimizer (the file names only "sgd").
+        keras_scaled = keras.Sequential(
+            [
+                keras.Input((16,)),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(8),
+                keras.layers.Softmax(dtype="float32"),
+            ],
+            name="keras_scaled",
+        )
+        keras_scaled.compile(optimizer="sgd", loss="mse")
+        keras_scaled.save(folder / "keras_scaled.keras")
+        keras_scaled.save(folder / "legacy.h5")
     plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
     plain.save(folder / "float32.keras")
     (folder / "notes.txt").write_text("not a model")
+    (folder / "a_folder").mkdir()
+    marker = folder / "ran"
+    tokens = keras.Input((4,))
+    payload = eval(f"lambda x: (open({str(marker)!r}, 'w').close(), x)[1]")
+    keras.Model(tokens, keras.layers.Lambda(payload, name="payload")(tokens)).save(
+        folder / "code.keras"
+    )
+    marker.unlink()  # building the model called the lambda
     with zipfile.ZipFile(folder / "broken.keras", "w") as archive:
         archive.writestr("config.json", "{this is not json")
     return folder
@@ -85,12 +106,34 @@ def test_audit_exit_codes(saved_models):
     assert code == 1 and json.loads(out)["ok"] is False
 
 
+@pytest.mark.parametrize("name", ["keras_scaled.keras", "legacy.h5"])
+def test_audit_of_a_file_agrees_with_the_model_in_memory(saved_models, name):
+    code, out, err = run("audit", str(saved_models / name), "--json")
+    assert code == 0, out + err
+    assert "Skipping variable loading" not in err
+    with tfmixprec.policy_scope("mixed_float16"):
+        model = keras.models.load_model(saved_models / "keras_scaled.keras")
+    assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer  # as it was saved
+    data = json.loads(out)
+    assert data["policy"] == "mixed_float16"
+    assert data["findings"] == tfmixprec.audit(model).to_dict()["findings"]
+
+
+def test_audit_never_runs_a_files_code(saved_models):
+    code, out, err = run("audit", str(saved_models / "code.keras"))
+    assert code == 2 and out == ""
+    assert "holds code: layer 'payload' (Lambda) is a Python lambda stored as bytecode" in err
+    assert "tfmixprec.audit(keras.models.load_model(path, safe_mode=False))" in err
+    assert not (saved_models / "ran").exists()
+
+
 @pytest.mark.parametrize(
     "name, message",
     [
         ("missing.keras", "no such file: "),
         ("notes.txt", "is not a Keras model file"),
         ("broken.keras", "could not load"),
+        ("a_folder", "is a directory, not a model file"),
     ],
 )
 def test_audit_bad_files(saved_models, name, message):
@@ -113,8 +156,8 @@ def test_audit_bad_files(saved_models, name, message):
 def test_bad_arguments_are_usage_errors(args, message):
     code, _, err = run(*args)
     assert code == 2
-    usage = err[err.index("usage: tfmixprec") :]  # TensorFlow's start-up log lines come first
-    assert message in usage.strip().splitlines()[-1]
+    assert err.startswith("usage: tfmixprec")  # parsed before TensorFlow could log a line
+    assert message in err.strip().splitlines()[-1]
 
 
 def test_demo_trains_and_reports(tmp_path):
@@ -152,3 +195,142 @@ def test_bench_table():
     assert len(rows) == 2
     assert rows[0].split()[1] == "float32" and rows[0].endswith("1.00x")
     assert rows[1].split()[1] == "mixed_bfloat16"
+
+
+# ------------------------------------------------------------------ a quiet, fast command
+def _run_command(command, env=None, timeout=300):
+    """Runs `command`; `env` replaces the environment (default: ours without TF's log level)."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    return result.returncode, result.stdout, result.stderr
+
+
+def _imported_modules(importtime_stderr):
+    """The modules `python -X importtime` says the process imported."""
+    return re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s+(\S+)", importtime_stderr, re.M)
+
+
+@pytest.mark.parametrize(
+    "args, code, expected",
+    [
+        (["--help"], 0, "usage: tfmixprec [-h] COMMAND ..."),
+        (["demo", "--help"], 0, "[--policy {auto,mixed_float16,mixed_bfloat16,float32}]"),
+        (["bench", "-h"], 0, "[--model {mlp,cnn,transformer}]"),
+        (["demo", "--policy", "fp8"], 2, "invalid choice: 'fp8'"),
+        (["demo", "--epochs", "0"], 2, "expected a positive integer, got '0'"),
+        ([], 2, "the following arguments are required: COMMAND"),
+    ],
+)
+def test_help_and_usage_errors_never_import_tensorflow(args, code, expected):
+    assert SCRIPT.read_text().count("from _tfmixprec_cli import main") == 1
+    got, out, err = _run_command([sys.executable, "-X", "importtime", str(SCRIPT), *args])
+    assert got == code, err[-2000:]
+    assert expected in (out if code == 0 else err)
+    modules = _imported_modules(err)
+    assert "_tfmixprec_cli" in modules and "argparse" in modules  # the check sees imports
+    top = {name.split(".")[0] for name in modules}
+    assert top & {"tensorflow", "keras", "tfmixprec", "numpy"} == set()
+
+
+def test_help_lists_every_command():
+    code, out, _ = _run_command([str(SCRIPT), "--help"])
+    assert code == 0
+    for line in [
+        "doctor    hardware report and the recommended policy",
+        "audit     audit a saved .keras model for mixed precision",
+        "demo      train a small CNN on the digits data set",
+        "bench     step time and throughput per policy, side by side",
+    ]:
+        assert line in out
+
+
+TF_LOG_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\] |absl::InitializeLog", re.M)
+
+
+def test_doctor_starts_tensorflow_quietly():
+    """Run as a user runs it, without TF_CPP_MIN_LOG_LEVEL: no TensorFlow start-up lines."""
+    code, out, err = _run_command([str(SCRIPT), "doctor"])
+    assert code == 0 and out.startswith("tfmixprec doctor")
+    assert TF_LOG_LINE.findall(err) == [], err
+    assert "rebuild TensorFlow with the appropriate compiler flags" not in err
+
+
+# What TensorFlow 2.21 wrote to stderr while starting on a 2-core AMD EPYC without a GPU
+# (tfmixprec doctor, no TF_CPP_MIN_LOG_LEVEL), then a line that is no log line.
+STARTUP = (
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+    "I0000 00:00:1795426153.792042    8858 cudart_stub.cc:31] Could not find cuda drivers on "
+    "your machine, GPU will not be used.\n"
+    "W0000 00:00:1795426153.848108    8858 some_file.cc:12] a warning\n"
+    "E0000 00:00:1795426166.116328    9042 cuda_platform.cc:52] failed call to cuInit: "
+    "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)\n"
+    "/x/y.py:3: DeprecationWarning: not TensorFlow's to hide\n"
+)
+
+
+@pytest.mark.parametrize(
+    "level, kept",
+    [
+        (0, ["WARNING: All log", "I0000", "W0000", "E0000", "/x/y.py"]),
+        (1, ["W0000", "E0000", "/x/y.py"]),
+        (2, ["/x/y.py"]),  # cuInit fails because there is no driver: hidden with that line
+        (3, ["/x/y.py"]),
+    ],
+)
+def test_drop_startup_noise_follows_the_log_level(level, kept):
+    import _tfmixprec_cli
+
+    lines = _tfmixprec_cli.drop_startup_noise(STARTUP, level).splitlines()
+    assert [line for line in lines if not any(line.startswith(k) for k in kept)] == []
+    assert len(lines) == len(kept)
+
+
+def test_a_cuinit_error_with_a_driver_installed_is_kept():
+    import _tfmixprec_cli
+
+    error = STARTUP.splitlines(keepends=True)[3]
+    assert _tfmixprec_cli.drop_startup_noise(error, 2) == error
+    assert _tfmixprec_cli.drop_startup_noise(error, 3) == ""
+
+
+@pytest.mark.parametrize("users, expected", [(None, "2"), ("0", "0"), ("3", "3")])
+def test_start_tensorflow_keeps_a_users_log_level(monkeypatch, users, expected):
+    import _tfmixprec_cli
+
+    if users is None:
+        monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", users)
+    _tfmixprec_cli.start_tensorflow()  # TensorFlow is imported here already: only the level
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == expected
+
+
+def test_cli_main_runs_in_process(capsys):
+    from tfmixprec.cli import main
+
+    assert main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensorflow_version"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--policy", "fp8"])
+    assert exit_.value.code == 2
+
+
+def test_python_dash_m_is_the_same_command():
+    code, out, _ = _run_command([sys.executable, "-m", "tfmixprec", "--help"])
+    assert code == 0 and "usage: tfmixprec [-h] COMMAND ..." in out
+
+
+@pytest.mark.skipif(bool(tfmixprec.detect_hardware().gpus), reason="the warning is for no GPU")
+def test_demo_with_float16_without_a_gpu_says_what_is_faster(tmp_path):
+    args = ["demo", "--policy", "mixed_float16", "--epochs", "1", "--quiet"]
+    code, out, err = _run_command([str(SCRIPT), *args, "--logdir", str(tmp_path / "runs")])
+    assert code == 0, err[-2000:]
+    assert out.startswith("policy: mixed_float16\n")
+    warning = "tfmixprec: UserWarning: mixed_float16 without a GPU: float16 is fast on NVIDIA"
+    assert [line for line in err.splitlines() if "UserWarning" in line][0].startswith(warning)
+    assert err.count(warning) == 1 and "cli.py" not in err  # one line, no source position
+    faster = tfmixprec.choose_policy().name
+    assert f"For speed on this machine use {faster!r}" in err
+    assert "tfmixprec.cpu_float16 routes around them" in err
+    assert TF_LOG_LINE.findall(err) == []

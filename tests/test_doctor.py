@@ -21,7 +21,10 @@ def test_doctor_report_prints_and_warns(capsys):
     assert "CPU bfloat16      yes (AVX512_BF16: no, AMX_BF16: yes)" in out
     assert "GPUs              none" in out
     assert "recommended       mixed_bfloat16: no GPU" in out
-    assert "WARNING: mixed_float16 without a GPU: some of TensorFlow's float16 CPU kernels" in out
+    assert "WARNING: mixed_float16 without a GPU: float16 is fast on NVIDIA Tensor Cores" in out
+    assert "Some of TensorFlow's float16 CPU kernels are slow, not float16" in out
+    # One message: doctor says what set_policy("mixed_float16") warns on this hardware.
+    assert report.warnings[0] == tfmixprec.policy.float16_without_gpu_note(hw)
     data = report.to_dict()
     assert data["hardware"]["cpu_flags"] == ["amx_bf16"]
 

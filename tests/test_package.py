@@ -8,6 +8,7 @@ from pathlib import Path
 import tfmixprec
 
 PACKAGE = Path(tfmixprec.__file__).resolve().parent
+ENTRY = PACKAGE.parent / "_tfmixprec_cli.py"  # the console script's module, outside the package
 MAX_FUNCTION_LINES, MAX_CLASS_LINES = 40, 200  # docstrings not counted
 
 
@@ -28,7 +29,7 @@ def _modules():
 def test_every_module_exports_only_what_the_package_exports():
     exported = set(tfmixprec.__all__)
     for name, tree in _modules().items():
-        if name.startswith("_") or name in ("cpu_float16", "testing"):  # exported as modules
+        if name.startswith("_") or name in ("cpu_float16", "datasets", "testing"):  # modules
             continue
         for node in tree.body:
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -79,7 +80,8 @@ def _body_lines(node):
 
 def test_functions_and_classes_stay_small():
     too_big = []
-    for name, tree in _modules().items():
+    modules = dict(_modules(), _tfmixprec_cli=ast.parse(ENTRY.read_text()))
+    for name, tree in modules.items():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 if _body_lines(node) > MAX_FUNCTION_LINES:
@@ -114,3 +116,27 @@ def test_architecture_doc_matches_the_imports():
         assert listed == actual, (name, listed, actual)
         for imported in actual:
             assert table[imported][0] < layer, f"{name} (layer {layer}) imports {imported}"
+
+
+def _module_level_imports(tree):
+    """Top names of the imports that run when the module is imported (not those in functions)."""
+    found, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue  # its imports run only when it is called
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_the_command_entry_imports_no_tensorflow_at_module_level():
+    """`tfmixprec --help` must answer before TensorFlow loads (docs/ARCHITECTURE.md)."""
+    imported = _module_level_imports(ast.parse(ENTRY.read_text()))
+    assert imported & {"tensorflow", "keras", "tfmixprec", "numpy"} == set(), imported
+    lazily = _module_level_imports(ast.parse("def f():\n    import tensorflow\n"))
+    assert lazily == set()  # the check itself: a function's imports are not module level
+    assert "_tfmixprec_cli:main" in (PACKAGE.parent / "pyproject.toml").read_text()

@@ -1,5 +1,7 @@
 """Tests of the policy helper: set/choose policies and float32 outputs."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -194,3 +196,82 @@ def test_float32_outputs_bad_input_changes_nothing():
     with pytest.raises(ValueError, match=r"Model 'lazy' is not built.*model.build\(input_shape\)"):
         tfmixprec.float32_outputs(unbuilt)
     assert unbuilt.layers[0].dtype_policy.name == "mixed_float16"
+
+
+# ------------------------------------------------------------- mixed_float16 without a GPU
+@pytest.fixture
+def warn_again(monkeypatch):
+    """The warning comes once per process: let this test see it again."""
+    from tfmixprec import policy
+
+    monkeypatch.setitem(policy._WARNED, "float16_without_gpu", False)
+
+
+@pytest.mark.parametrize(
+    "hardware, faster",
+    [(HardwareInfo(cpu_name="AMD EPYC"), "float32"), (AMX_CPU, "mixed_bfloat16")],
+)
+def test_mixed_float16_without_a_gpu_warns_once(warn_again, hardware, faster):
+    with pytest.warns(UserWarning) as caught:
+        tfmixprec.set_policy("mixed_float16", hardware)
+        tfmixprec.set_policy("mixed_float16", hardware)
+        with tfmixprec.policy_scope("mixed_float16", hardware):
+            pass
+    messages = [str(w.message) for w in caught if "mixed_float16 without a GPU" in str(w.message)]
+    assert len(messages) == 1
+    assert messages[0].startswith(
+        "mixed_float16 without a GPU: float16 is fast on NVIDIA Tensor Cores; on a CPU it is at "
+        f"best about as fast as float32. For speed on this machine use {faster!r} "
+        "(tfmixprec.set_policy('auto') picks it); keep mixed_float16 on a CPU for testing a GPU "
+        "setup. Some of TensorFlow's float16 CPU kernels are slow, not float16: "
+        "Conv2DBackpropFilter (up to ~600x float32)"
+    )
+    assert "tfmixprec.cpu_float16 routes around them" in messages[0]
+    assert caught[0].filename == __file__  # points at the user's set_policy call
+    assert keras.config.dtype_policy().name == "mixed_float16"  # the policy is still set
+
+
+def test_the_warning_points_at_a_policy_scope(warn_again):
+    with pytest.warns(UserWarning, match="mixed_float16 without a GPU") as caught:
+        with tfmixprec.policy_scope("mixed_float16", HardwareInfo()):
+            pass
+    assert caught[0].filename == __file__
+
+
+def test_the_warning_says_when_the_workarounds_are_off(warn_again):
+    tfmixprec.cpu_float16.disable()
+    try:
+        with pytest.warns(UserWarning, match="mixed_float16 without a GPU") as caught:
+            tfmixprec.set_policy("mixed_float16", HardwareInfo())
+    finally:
+        tfmixprec.cpu_float16.enable()
+    assert "workarounds are off (tfmixprec.cpu_float16.disable())" in str(caught[0].message)
+    assert "Turn them on with tfmixprec.cpu_float16.enable()." in str(caught[0].message)
+
+
+@pytest.mark.parametrize(
+    "name, hardware",
+    [
+        ("mixed_bfloat16", HardwareInfo()),
+        ("float32", HardwareInfo()),
+        ("auto", HardwareInfo()),
+        ("mixed_float16", HardwareInfo(gpus=(T4,))),
+        ("mixed_float16", HardwareInfo(tpus=8)),
+    ],
+)
+def test_no_warning_where_the_policy_fits(warn_again, name, hardware):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tfmixprec.set_policy(name, hardware)
+        with tfmixprec.policy_scope(name, hardware):
+            pass
+
+
+def test_this_machine_is_detected_for_the_warning(warn_again):
+    """The real detection (no `hardware=`): warns exactly where there is no GPU or TPU."""
+    hardware = tfmixprec.detect_hardware()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tfmixprec.set_policy("mixed_float16")
+    warned = [w for w in caught if "mixed_float16 without a GPU" in str(w.message)]
+    assert len(warned) == (0 if hardware.gpus or hardware.tpus else 1)

@@ -1,6 +1,7 @@
 """tfmixprec: safe, visible and fast mixed-precision training for Keras 3 on TensorFlow."""
 
 from tfmixprec import cpu_float16
+from tfmixprec import datasets
 from tfmixprec import testing
 from tfmixprec._version import __version__
 from tfmixprec.audit import AuditReport
@@ -72,6 +73,7 @@ __all__ = [
     "compute_unscaled_gradients",
     "cpu_float16",
     "dashboard_layout",
+    "datasets",
     "detect_hardware",
     "doctor",
     "explain_overflow",

@@ -4,71 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
-DEMO_POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tfmixprec",
-        description="Safe, visible and fast mixed precision for Keras 3 on TensorFlow.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    doctor = sub.add_parser("doctor", help="hardware report and the recommended policy")
-    doctor.add_argument("--json", action="store_true", help="print JSON")
-
-    audit = sub.add_parser("audit", help="audit a saved .keras model for mixed precision")
-    audit.add_argument("model", help="path to a .keras file")
-    audit.add_argument(
-        "--policy",
-        choices=DEMO_POLICIES,
-        help="audit as if the model had been built under this policy",
-    )
-    audit.add_argument("--json", action="store_true", help="print JSON")
-
-    demo = sub.add_parser("demo", help="train a small CNN on the digits data set")
-    demo.add_argument("--policy", choices=DEMO_POLICIES, default="auto")
-    demo.add_argument("--epochs", type=_positive_int, default=12)
-    demo.add_argument("--logdir", default="runs", help="TensorBoard log folder (default: runs)")
-    demo.add_argument("--batch-size", type=_positive_int, default=64)
-    demo.add_argument("--quiet", action="store_true", help="no progress bar")
-
-    bench = sub.add_parser("bench", help="step time and throughput per policy, side by side")
-    bench.add_argument("--model", choices=("mlp", "cnn", "transformer"), default="mlp")
-    bench.add_argument(
-        "--policies",
-        nargs="+",
-        choices=DEMO_POLICIES,
-        default=["float32", "mixed_bfloat16", "auto"],
-    )
-    bench.add_argument("--size", type=_positive_int, default=1024, help="model width")
-    bench.add_argument("--batch-size", type=_positive_int, default=256)
-    bench.add_argument("--steps", type=_positive_int, default=20, help="steps per timed run")
-    bench.add_argument("--repeats", type=_positive_int, default=3)
-    return parser
-
-
-def _quiet_tensorflow() -> None:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The parser and the exit codes live in the top-level `_tfmixprec_cli` (the console script's
+# entry point), so that `--help` and usage errors answer without importing TensorFlow.
+from _tfmixprec_cli import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -81,50 +25,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    path = Path(args.model)
-    if not path.is_file():
-        print(f"tfmixprec audit: error: no such file: {str(path)!r}", file=sys.stderr)
-        return EXIT_USAGE
-    if not zipfile.is_zipfile(path):
-        print(
-            f"tfmixprec audit: error: {str(path)!r} is not a Keras model file (.keras is a zip "
-            "archive; save the model with model.save('model.keras')).",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    import keras
-
+    """Audits a saved model file as it was saved (`tfmixprec.audit(path)`): under the policy
+    its layers were saved with, compiled as Keras compiled it, and without running code from
+    the file. Exit 0 with no error (warnings and info allowed), 1 with one, 2 when the file
+    cannot be audited."""
     import tfmixprec
 
     try:
-        model = keras.models.load_model(path, compile=True)
-    except Exception as err:  # any load failure is a bad input here, not a crash
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(
-            f"tfmixprec audit: error: could not load {str(path)!r} as a Keras model: {first_line}",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    try:
-        report = tfmixprec.audit(model, policy=args.policy)
+        report = tfmixprec.audit(args.model, policy=args.policy)
     except (TypeError, ValueError) as err:
         print(f"tfmixprec audit: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     print(report.to_json() if args.json else report)
     return EXIT_OK if report.ok else EXIT_FINDINGS
-
-
-def load_digits_split(seed: int = 0):
-    """scikit-learn's digits (1797 8x8 images, shipped inside the package): 80/20 split."""
-    import numpy as np
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = (digits.images[..., None] / 16.0).astype("float32")
-    y = digits.target.astype("int32")
-    order = np.random.default_rng(seed).permutation(len(x))
-    cut = int(0.8 * len(x))
-    return (x[order[:cut]], y[order[:cut]]), (x[order[cut:]], y[order[cut:]])
 
 
 def build_demo_model():
@@ -149,11 +62,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import keras
 
     import tfmixprec
+    from tfmixprec.datasets import load_digits
 
     choice = tfmixprec.choose_policy()
     policy = choice.name if args.policy == "auto" else args.policy
     print(f"policy: {policy}" + (f" (auto: {choice.reason})" if args.policy == "auto" else ""))
-    (x_train, y_train), (x_test, y_test) = load_digits_split()
+    (x_train, y_train), (x_test, y_test) = load_digits()
     run_dir = Path(args.logdir) / f"demo-{policy}-{time.strftime('%Y%m%d-%H%M%S')}"
     start = time.perf_counter()
     with tfmixprec.policy_scope(policy):
@@ -225,10 +139,11 @@ COMMANDS = {"doctor": cmd_doctor, "audit": cmd_audit, "demo": cmd_demo, "bench":
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `tfmixprec` command. Returns the exit code."""
-    args = _parser().parse_args(argv)  # usage errors exit 2 here
-    _quiet_tensorflow()
-    return COMMANDS[args.command](args)
+    """Runs the `tfmixprec` command in this process (`_tfmixprec_cli.run`, as the console
+    script does). Returns the exit code; usage errors raise `SystemExit(2)`."""
+    import _tfmixprec_cli
+
+    return _tfmixprec_cli.run(argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The `doctor()` report: versions, devices, what they are good at, and the policy to use.
 
-It reads `hardware` and `policy` (and says what `cpu_float16` does on this machine); nothing in
-the package imports it back.
+It reads `hardware` and `policy` (whose note on float16 without a GPU says what `cpu_float16`
+does on this machine); nothing in the package imports it back.
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec import cpu_float16
 from tfmixprec.hardware import BF16_CPU_FLAGS, HardwareInfo, detect_hardware
-from tfmixprec.policy import choose_policy
+from tfmixprec.policy import choose_policy, float16_without_gpu_note
 
 __all__ = ["DoctorReport", "doctor"]
 
@@ -68,28 +67,6 @@ class DoctorReport:
         return "\n".join(lines)
 
 
-def _cpu_float16_note(hardware: HardwareInfo, recommended: str) -> str:
-    """What is slow for float16 on this CPU, and what tfmixprec does about it."""
-    if not cpu_float16.applies("mixed_float16", hardware):
-        return (
-            "mixed_float16 without a GPU, and tfmixprec's CPU float16 workarounds are off "
-            "(tfmixprec.cpu_float16.disable()): TensorFlow's float16 Conv2DBackpropFilter CPU "
-            "kernel is up to ~600x slower than float32, the fused MatMul up to ~200x on some CPUs. "
-            "Turn them on with tfmixprec.cpu_float16.enable()."
-        )
-    return (
-        "mixed_float16 without a GPU: some of TensorFlow's float16 CPU kernels are slow, not "
-        "float16: Conv2DBackpropFilter (up to ~600x float32), the _FusedMatMul that grappler's "
-        "remapper makes on some CPUs (~200x on a Sapphire Rapids Xeon, TF 2.21), and float16 "
-        "matmuls without AVX512_FP16 (1.1-3x). tfmixprec routes around them: the remapper is "
-        "off for float16 (tfmixprec.set_policy, MixedPrecisionModel.compile, make_train_step), "
-        "and float16 convolution, Dense and EinsumDense layers compute their products in "
-        "float32 (MixedPrecisionModel.compile and make_train_step do it; for a plain "
-        "keras.Model call tfmixprec.cpu_float16.fast_float16_layers(model)). For speed "
-        f"on this machine use {recommended!r} (tfmixprec.set_policy('auto'))."
-    )
-
-
 def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> DoctorReport:
     """Reports versions, devices, bfloat16/Tensor Core support and the policy to use.
 
@@ -109,7 +86,7 @@ def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> D
     current = keras.config.dtype_policy().name
     warnings = []
     if current == "mixed_float16" and not hardware.gpus and not hardware.tpus:
-        warnings.append(_cpu_float16_note(hardware, choice.name))
+        warnings.append(float16_without_gpu_note(hardware))
     if current == "mixed_bfloat16" and not hardware.gpus and hardware.cpu_bfloat16:
         warnings.append(
             "mixed_bfloat16 on this CPU: keep jit_compile off (Keras's default on CPUs). "

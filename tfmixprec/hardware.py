@@ -99,8 +99,7 @@ def detect_hardware() -> HardwareInfo:
 
     Example:
 
-    >>> tfmixprec.detect_hardware().cpu_bfloat16
-    True
+    >>> tfmixprec.detect_hardware().cpu_bfloat16  # True with AVX512_BF16 or AMX_BF16
     """
     gpus = []
     for device in tf.config.list_physical_devices("GPU"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +29,7 @@ POLICY_NAMES = ("mixed_float16", "mixed_bfloat16", "float32", "auto")
 LOW_PRECISION = ("float16", "bfloat16")
 # Activations whose float16 output loses too much (saturation, log of tiny values).
 FLOAT32_ACTIVATIONS = ("softmax", "log_softmax", "sigmoid")
+_WARNED = {"float16_without_gpu": False}  # set_policy's warning comes once per process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +72,9 @@ def choose_policy(hardware: HardwareInfo | None = None) -> PolicyChoice:
 
     Example:
 
-    >>> tfmixprec.choose_policy().name
+    >>> tfmixprec.choose_policy().name  # on this machine
+    >>> a100 = tfmixprec.HardwareInfo(gpus=(tfmixprec.GPUInfo("NVIDIA A100", (8, 0)),))
+    >>> tfmixprec.choose_policy(a100).name
     'mixed_bfloat16'
     """
     hw = detect_hardware() if hardware is None else hardware
@@ -157,17 +162,69 @@ def set_policy(name: str | keras.DTypePolicy, hardware: HardwareInfo | None = No
         ValueError: For an unknown name (the message suggests the closest valid one).
         TypeError: For a value that is not a string.
 
+    Warns:
+        UserWarning: Once per process, for `"mixed_float16"` on a machine without a GPU or
+            TPU: float16 is slow there; the warning names the faster policy for the machine
+            and what `tfmixprec.cpu_float16` does about the slow kernels.
+
     Example:
 
-    >>> tfmixprec.set_policy("auto").name
-    'mixed_bfloat16'
+    >>> tfmixprec.set_policy("auto").name  # what choose_policy() picks on this machine
     """
     name = _check_policy_name(name)
     if name == "auto":
         name = choose_policy(hardware).name
     keras.config.set_dtype_policy(name)
     cpu_float16.route_around_fused_matmul(name)  # float16 without a GPU
+    _warn_float16_without_gpu(name, hardware)
     return keras.config.dtype_policy()
+
+
+def float16_without_gpu_note(hardware: HardwareInfo) -> str:
+    """Why `mixed_float16` is slow on a machine without a GPU, what tfmixprec does about it,
+    and the policy to use there instead (said by `set_policy`'s warning and by `doctor`)."""
+    head = (
+        "mixed_float16 without a GPU: float16 is fast on NVIDIA Tensor Cores; on a CPU it "
+        "is at best about as fast as float32. For speed on this machine use "
+        f"{choose_policy(hardware).name!r} (tfmixprec.set_policy('auto') picks it); keep "
+        "mixed_float16 on a CPU for testing a GPU setup. "
+    )
+    if not cpu_float16.applies("mixed_float16", hardware):
+        return head + (
+            "tfmixprec's CPU float16 workarounds are off (tfmixprec.cpu_float16.disable()): "
+            "TensorFlow's float16 Conv2DBackpropFilter CPU kernel is up to ~600x slower than "
+            "float32, the fused MatMul up to ~200x on some CPUs. Turn them on with "
+            "tfmixprec.cpu_float16.enable()."
+        )
+    return head + (
+        "Some of TensorFlow's float16 CPU kernels are slow, not float16: Conv2DBackpropFilter "
+        "(up to ~600x float32), the _FusedMatMul that grappler's remapper makes on some CPUs "
+        "(~200x on a Sapphire Rapids Xeon, TF 2.21), and float16 matmuls without AVX512_FP16 "
+        "(1.1-3x). tfmixprec.cpu_float16 routes around them: the remapper is off for float16 "
+        "(tfmixprec.set_policy, MixedPrecisionModel.compile, make_train_step), and float16 "
+        "convolution, Dense and EinsumDense layers compute their products in float32 "
+        "(MixedPrecisionModel.compile and make_train_step do it; for a plain keras.Model call "
+        "tfmixprec.cpu_float16.fast_float16_layers(model))."
+    )
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` that points a warning at the first caller outside this module (and
+    outside `contextlib`, for `policy_scope`)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename in (__file__, contextlib.__file__):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_float16_without_gpu(name: str, hardware: HardwareInfo | None) -> None:
+    if name != "mixed_float16" or _WARNED["float16_without_gpu"]:
+        return
+    hardware = detect_hardware() if hardware is None else hardware
+    if hardware.gpus or hardware.tpus:
+        return
+    _WARNED["float16_without_gpu"] = True
+    warnings.warn(float16_without_gpu_note(hardware), UserWarning, stacklevel=_user_stacklevel())
 
 
 @contextlib.contextmanager
@@ -231,9 +288,10 @@ def float32_outputs(model: keras.Model) -> list[PolicyChange]:
     Example:
 
     >>> tfmixprec.set_policy("mixed_float16")
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, "softmax")])
+    >>> probs = keras.layers.Dense(3, "softmax", name="probs")
+    >>> model = keras.Sequential([keras.Input((4,)), probs])
     >>> [c.layer for c in tfmixprec.float32_outputs(model)]
-    ['dense']
+    ['probs']
     """
     check_built_model(model, "float32_outputs")
     targets: dict[int, tuple[Any, str]] = {}
