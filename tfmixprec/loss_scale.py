@@ -247,7 +247,7 @@ class LossScale(tf.Module):
         self.last_overflow_iteration = add_variable("last_overflow_iteration", "int", -1)
         self.min_scale_overflow_iteration = add_variable("min_scale_overflow_iteration", "int", -1)
         self.last_overflow_scale = add_variable("last_overflow_scale", "float32", 0.0)
-        # For `OverflowGuard` (added after 0.2.0): overflow steps taken at `min_scale` since
+        # For `OverflowGuard` (added in 0.3.0): overflow steps taken at `min_scale` since
         # the scale last grew, and the longest run of consecutive overflow steps since the
         # last `reset_longest_overflow_run()` (exact with several steps per execution).
         self.min_scale_overflows = add_variable("min_scale_overflows", "int", 0)
@@ -446,7 +446,7 @@ def min_scale_report(state: LossScale) -> str | None:
 
 def later_variables(state: LossScale) -> list[list[Any]]:
     """Per release after 0.1, the variables of `state` it added (a file from before lacks
-    them): the overflow attribution (0.2.0), then `OverflowGuard`'s counters (after 0.2.0)."""
+    them): the overflow attribution (0.2.0), then `OverflowGuard`'s counters (0.3.0)."""
     return [state.attribution_variables(), [state.min_scale_overflows, state.longest_overflow_run]]
 
 
