@@ -19,17 +19,22 @@ def _codes(report):
     return [(f.severity, f.code, f.layer) for f in report.findings]
 
 
-def _clean_model():
+def _float16_stack(name):
+    """16 -> 32 -> 8 under mixed_float16, with a float32 softmax: right for float16."""
     tfmixprec.set_policy("mixed_float16")
-    model = keras.Sequential(
+    return keras.Sequential(
         [
             keras.Input((16,)),
             keras.layers.Dense(32, activation="relu", name="hidden"),
             keras.layers.Dense(8, name="logits"),
             keras.layers.Softmax(name="probs", dtype="float32"),
         ],
-        name="clean",
+        name=name,
     )
+
+
+def _clean_model():
+    model = _float16_stack("clean")
     model.compile(optimizer=tfmixprec.LossScaleOptimizer(keras.optimizers.Adam()), loss="mse")
     return model
 
@@ -215,16 +220,7 @@ def test_a_layer_check_added_to_the_table_runs_on_every_leaf_layer(monkeypatch):
 
 
 def _float16_classifier(**compile_kwargs):
-    tfmixprec.set_policy("mixed_float16")
-    model = keras.Sequential(
-        [
-            keras.Input((16,)),
-            keras.layers.Dense(32, activation="relu", name="hidden"),
-            keras.layers.Dense(8, name="logits"),
-            keras.layers.Softmax(name="probs", dtype="float32"),
-        ],
-        name="classifier",
-    )
+    model = _float16_stack("classifier")
     model.compile(optimizer="sgd", loss="mse", **compile_kwargs)
     keras.config.set_dtype_policy("float32")  # as in a process that loads the file
     return model
