@@ -37,19 +37,22 @@ def _state(model):
     return values, policies
 
 
-def _assert_unchanged(before, after):
-    (values_before, policies_before), (values_after, policies_after) = before, after
+def _explain_leaving_model_unchanged(model, batch):
+    """`explain_overflow(model, batch)`, asserting that weights, optimizer variables and layer
+    policies are bit-identical afterwards."""
+    values_before, policies_before = _state(model)
+    diagnosis = tfmixprec.explain_overflow(model, batch)
+    values_after, policies_after = _state(model)
     assert policies_before == policies_after
     assert len(values_before) == len(values_after)
     for a, b in zip(values_before, values_after):
         assert a.tobytes() == b.tobytes()
+    return diagnosis
 
 
 def test_forward_overflow_names_the_layer_and_the_float32_max():
     model = _model(kernel=300.0)
-    before = _state(model)
-    diagnosis = tfmixprec.explain_overflow(model, _batch(100.0))
-    _assert_unchanged(before, _state(model))
+    diagnosis = _explain_leaving_model_unchanged(model, _batch(100.0))
     assert (diagnosis.cause, diagnosis.layer) == ("forward-overflow", "big")
     assert "reach 2.4e+05 in float32, past float16's 65504" in diagnosis.message
     assert "finite in float32 and bfloat16" in diagnosis.message
@@ -96,9 +99,7 @@ def test_loss_overflow_and_scaled_loss_overflow():
 
 def test_backward_overflow_counts_the_halvings():
     model = _model(kernel=300.0)
-    before = _state(model)
-    diagnosis = tfmixprec.explain_overflow(model, _batch(1.0))
-    _assert_unchanged(before, _state(model))
+    diagnosis = _explain_leaving_model_unchanged(model, _batch(1.0))
     assert (diagnosis.cause, diagnosis.layer) == ("backward-overflow", "big")
     assert (diagnosis.halvings, diagnosis.finite_scale) == (14, 2.0)  # dL/dh = 19200: S < 3.4
     assert "nothing to fix" in diagnosis.message
