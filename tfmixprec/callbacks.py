@@ -138,20 +138,23 @@ class _FitWatch(keras.callbacks.Callback):
     def __init__(self, update_freq: int = 50) -> None:
         super().__init__()
         self.update_freq = update_freq
-        self._batches = 0
-        self._epoch = _EpochOverflows()
+        self._every = _Every(update_freq)
+        self.epoch_overflows = _EpochOverflows()  # shared with the progress bar
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._every.start()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._epoch.begin(self.model.optimizer)
+        self._every.epoch_begin()
+        self.epoch_overflows.begin(self.model.optimizer)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        self._batches += 1
-        if self._batches % self.update_freq == 0:
+        if self._every.due(batch):
             self.model.optimizer.check_min_scale()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is not None:
-            logs["overflow"] = self._epoch.count(self.model.optimizer)
+            logs["overflow"] = self.epoch_overflows.count(self.model.optimizer)
         self.model.optimizer.check_min_scale()
 
 
@@ -164,15 +167,12 @@ class _ProgressBar(keras.callbacks.ProgbarLogger):
     """Keras's progress bar for `MixedPrecisionModel.fit`, showing of the loss-scale values
     only what a person watches: `loss_scale`, and `overflow` as the epoch's number of overflow
     steps so far, once there is one (Keras prints a 0 as `0.0000e+00`). The logs that History,
-    CSVLogger and the other callbacks see are not changed."""
+    CSVLogger and the other callbacks see are not changed. `epoch_overflows` is the
+    `_FitWatch`'s, which runs first and reads the epoch's starting total once."""
 
-    def __init__(self) -> None:
+    def __init__(self, epoch_overflows: _EpochOverflows) -> None:
         super().__init__()
-        self._epoch = _EpochOverflows()
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        super().on_epoch_begin(epoch, logs)
-        self._epoch.begin(self.model.optimizer)
+        self._epoch = epoch_overflows
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = dict(logs or {})

@@ -143,9 +143,10 @@ def _with_fit_watch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     callbacks = args[5] if positional else kwargs.get("callbacks")
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return args, kwargs
-    callbacks = [_FitWatch(), *(callbacks or [])]
+    watch = _FitWatch()
+    callbacks = [watch, *(callbacks or [])]
     if not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
-        callbacks.append(_ProgressBar())  # last: it shows what the others added
+        callbacks.append(_ProgressBar(watch.epoch_overflows))  # last: shows what others added
     if positional:
         return (*args[:5], callbacks, *args[6:]), kwargs
     return args, {**kwargs, "callbacks": callbacks}
