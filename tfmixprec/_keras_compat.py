@@ -12,6 +12,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+# Why: keras-team/keras#20585 (see `MultiWorkerFit`): tfmixprec's fix must apply exactly where
+# Keras's trainer takes its multi-worker path, so it asks Keras's own test.
+from keras.src.backend.tensorflow.trainer import (
+    _collective_all_reduce_multi_worker as _keras_multi_worker,
+)
+
 # Why: Keras makes `Model(inputs, outputs)` functional by rewriting the class's bases in
 # place; `MixedPrecisionModel.__new__` routes functional use to its own subclass instead, so
 # it needs Keras's test for functional arguments and the Functional class.
@@ -25,6 +31,8 @@ from keras.src.utils.tracking import no_automatic_dependency_tracking  # noqa: F
 __all__ = [
     "Functional",
     "KerasLossScaleHooks",
+    "MultiWorkerFit",
+    "across_workers",
     "all_sublayers",
     "build_shapes",
     "built_variables",
@@ -186,6 +194,58 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
     def overwrites_with_gradient(self, variable: Any) -> bool:
         """True for variables whose "gradient" is a new value (float8 scale/amax variables)."""
         return bool(self._overwrite_variable_with_gradient(variable))
+
+
+def across_workers(strategy: Any) -> bool:
+    """True under a `MultiWorkerMirroredStrategy` with more than one worker: where Keras's TF
+    trainer takes its multi-worker path (Keras's own test, so the fix below applies exactly
+    there)."""
+    return bool(_keras_multi_worker(strategy))
+
+
+def _as_vector(value: Any) -> Any:
+    if isinstance(value, tf.Tensor) and value.shape.rank == 0:
+        return tf.reshape(value, [1])
+    return value
+
+
+class MultiWorkerFit:
+    """Makes Keras's own `fit`, `evaluate` and `predict` run under `MultiWorkerMirroredStrategy`
+    across workers: keras-team/keras#20585, tensorflow/tensorflow#72388 (open; Keras 3.12 to
+    3.15). Put it before `keras.Model` in a model class's bases. Keras's loop is kept.
+
+    Why: Keras's TF trainer fails across workers in two places, both private:
+
+    - `_maybe_symbolic_build` builds the model from the first batch, which it first reduces
+      across replicas with `strategy.reduce("MEAN", batch, axis=None)` in eager mode; a
+      collective strategy cannot reduce eager per-replica values ("Attempt to convert a value
+      (PerReplica...) ... to a Tensor"). Only the batch's shapes matter: this builds from this
+      worker's own first batch.
+    - `_make_function`'s step reduces each log with `strategy.reduce("MEAN", value, axis=0)`
+      across workers (its `reduce_per_replica`), which needs a batch axis: a scalar loss fails
+      ("axis = 0 out of range for value with rank 0"). Here the step's scalar logs are
+      vectors of one entry, so that reduction is the mean over the replicas, the value Keras
+      logs on one machine. `predict` (a concatenation) needs no change.
+    """
+
+    def _maybe_symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
+        strategy = self.distribute_strategy
+        if iterator is not None and data_batch is None and across_workers(strategy):
+            local = strategy.experimental_local_results
+            for _, _, batches in iterator:
+                data_batch = tf.nest.map_structure(lambda v: local(v)[0], next(batches))
+                break
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def _make_function(self, step_function: Any) -> Any:
+        if not across_workers(self.distribute_strategy):
+            return super()._make_function(step_function)
+
+        def step_with_vector_logs(data: Any) -> Any:
+            return tf.nest.map_structure(_as_vector, step_function(data))
+
+        return super()._make_function(step_with_vector_logs)
 
 
 def recorded_call_kwargs(layer: Any) -> list[dict[str, Any]] | None:

@@ -1,13 +1,22 @@
-"""Fault injection for testing mixed-precision training: make chosen steps non-finite.
+"""Tools for testing mixed-precision training: faults on chosen steps, and a local cluster.
 
 `FaultInjector` decides, once, which steps are faulty (chosen ones or a random fraction), and
 corrupts those steps' gradients or inputs with NaN or Inf, in the graph, by step index.
+`run_workers` runs one command as every worker of a `MultiWorkerMirroredStrategy` cluster on
+127.0.0.1 (its own `TF_CONFIG` each, free ports), bounded in time and always cleaned up.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
-from collections.abc import Iterable, Sequence
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +24,7 @@ import tensorflow as tf
 
 from tfmixprec._validate import check_int_at_least_one
 
-__all__ = ["FaultInjector"]
+__all__ = ["FaultInjector", "WorkerResult", "local_cluster", "run_workers"]
 
 
 class FaultInjector:
@@ -151,3 +160,139 @@ class FaultInjector:
     def reset(self) -> None:
         """Starts counting steps from 0 again (for `corrupt_gradients`)."""
         self._step.assign(0)
+
+
+# ------------------------------------------------------------------ a local cluster
+def local_cluster(num_workers: int = 2) -> list[dict[str, Any]]:
+    """The `TF_CONFIG` of each worker of a cluster on 127.0.0.1, on free ports.
+
+    Args:
+        num_workers: Int >= 1. How many workers.
+
+    Returns:
+        One dict a worker, `{"cluster": {"worker": [...]}, "task": {"type": "worker",
+        "index": i}}`: set `os.environ["TF_CONFIG"] = json.dumps(config)` in worker `i`.
+
+    Example:
+
+    >>> configs = tfmixprec.testing.local_cluster(2)
+    >>> configs[1]["task"]
+    {'type': 'worker', 'index': 1}
+    """
+    num_workers = check_int_at_least_one("num_workers", num_workers)
+    sockets = [socket.socket() for _ in range(num_workers)]
+    try:
+        for sock in sockets:  # all bound at once: distinct ports
+            sock.bind(("127.0.0.1", 0))
+        workers = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+    return [
+        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        for index in range(num_workers)
+    ]
+
+
+@dataclasses.dataclass
+class WorkerResult:
+    """How one worker of `run_workers` ended.
+
+    Attributes:
+        index: Int. The worker's task index.
+        returncode: Int. Its exit status (negative: killed by that signal; -9 when
+            `run_workers` killed it because another worker failed or time ran out).
+        stdout: String. What it printed.
+        stderr: String. What it printed to stderr.
+    """
+
+    index: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_workers(
+    command: Sequence[str],
+    num_workers: int = 2,
+    timeout: float = 300.0,
+    grace: float = 20.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> list[WorkerResult]:
+    """Runs `command` once for each worker of a local cluster (`local_cluster`), in parallel.
+
+    Each process gets its own `TF_CONFIG` (and `TF_CPP_MIN_LOG_LEVEL=2` unless `env` sets
+    it). Once a worker fails, the others (which then wait for it in a collective) get `grace`
+    seconds to end, then are killed; so is every worker still running after `timeout`.
+    Nothing is left running when it returns or raises.
+
+    Args:
+        command: List of strings. The program and its arguments, e.g.
+            `[sys.executable, "train.py"]`.
+        num_workers: Int >= 1. How many workers.
+        timeout: Float. Seconds for the whole run.
+        grace: Float. Seconds the other workers get after one fails.
+        env: Optional dict. The environment (default: this process's).
+        cwd: Optional string. The working directory.
+
+    Returns:
+        A `WorkerResult` a worker, in task order. Check each `returncode`.
+
+    Raises:
+        TimeoutError: If a worker was still running after `timeout` seconds; its message
+            holds the end of every worker's stderr.
+    """
+    num_workers = check_int_at_least_one("num_workers", num_workers)
+    base = dict(os.environ if env is None else env)
+    base.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with tempfile.TemporaryDirectory(prefix="tfmixprec-workers-") as folder:
+        procs: list[Any] = []
+        try:
+            for index, config in enumerate(local_cluster(num_workers)):
+                worker_env = {**base, "TF_CONFIG": json.dumps(config)}
+                procs.append(_start_worker(command, worker_env, cwd, folder, index))
+            timed_out = _wait_for_workers(procs, timeout, grace)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        results = [_result(proc, folder, index) for index, proc in enumerate(procs)]
+    if timed_out:
+        tails = "\n".join(f"--- worker {r.index} stderr:\n{r.stderr[-2000:]}" for r in results)
+        raise TimeoutError(
+            f"The {num_workers} workers of {list(command)!r} were still running after "
+            f"timeout={timeout!r} seconds and were killed.\n{tails}"
+        )
+    return results
+
+
+def _start_worker(
+    command: Sequence[str], env: dict[str, str], cwd: str | None, folder: str, index: int
+) -> Any:
+    """Starts one worker, its output going to files in `folder` (no pipe to fill up)."""
+    with open(os.path.join(folder, f"{index}.out"), "w") as out:
+        with open(os.path.join(folder, f"{index}.err"), "w") as err:
+            return subprocess.Popen(list(command), env=env, cwd=cwd, stdout=out, stderr=err)
+
+
+def _result(proc: Any, folder: str, index: int) -> WorkerResult:
+    with open(os.path.join(folder, f"{index}.out")) as out:
+        with open(os.path.join(folder, f"{index}.err")) as err:
+            return WorkerResult(index, proc.returncode, out.read(), err.read())
+
+
+def _wait_for_workers(procs: list[Any], timeout: float, grace: float) -> bool:
+    """Waits until every process ended; True if some were still running at `timeout`. After a
+    failure the rest get `grace` seconds (then the caller kills them)."""
+    deadline = time.monotonic() + timeout
+    failed = False
+    while any(proc.poll() is None for proc in procs):
+        if not failed and any(proc.poll() not in (None, 0) for proc in procs):
+            failed = True
+            deadline = min(deadline, time.monotonic() + grace)
+        if time.monotonic() > deadline:
+            return not failed
+        time.sleep(0.1)
+    return False

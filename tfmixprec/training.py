@@ -18,7 +18,7 @@ import tensorflow as tf
 from keras import ops
 
 from tfmixprec import cpu_float16
-from tfmixprec._keras_compat import Functional, functional_init_arguments
+from tfmixprec._keras_compat import Functional, MultiWorkerFit, functional_init_arguments
 from tfmixprec._layers import iter_layers
 from tfmixprec.callbacks import _FitWatch, _ProgressBar
 from tfmixprec.diagnosis import OverflowBatches
@@ -152,7 +152,7 @@ def _with_fit_watch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "callbacks": callbacks}
 
 
-class MixedPrecisionMixin:
+class MixedPrecisionMixin(MultiWorkerFit):
     """Gives a Keras model class tfmixprec's mixed-precision `train_step` and `compile`.
 
     Put it before `keras.Model` in the bases: `class MyModel(MixedPrecisionMixin, keras.Model)`.
