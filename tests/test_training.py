@@ -392,13 +392,113 @@ def test_mirrored_strategy_one_replica_overflow(two_cpu_strategy):
     assert int(model.optimizer.iterations.numpy()) == 2
 
 
-def test_accumulation_under_mirrored_strategy_is_refused(two_cpu_strategy):
+def _sgd_accumulating(steps):
+    return LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.5), initial_scale=64, accumulation_steps=steps
+    )
+
+
+def _replica_copies_identical(model):
+    for var in model.weights + model.optimizer.variables:
+        copies = [t.numpy() for t in getattr(var.value, "values", [var.value])]
+        _same_bits(copies[:1], copies[1:])
+
+
+def _custom_loop(strategy, model, x, y, micro_batch, eager):
+    """A user's own loop: `strategy.run` of a GradientTape step, the loss averaged over the
+    global micro-batch (`tf.nn.compute_average_loss`), eager or in a `tf.function`. The
+    optimizer is built first, in the scope: Keras 3 optimizers (plain SGD too) cannot create
+    their variables inside a `tf.function` under MirroredStrategy."""
+    opt = model.optimizer
+    with strategy.scope():
+        opt.build(model.trainable_variables)
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            per_example = tf.reduce_mean(tf.square(yb - model(xb, training=True)), axis=-1)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=micro_batch)
+            scaled = opt.scale_loss(loss)
+        opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+
+    def run(batch):
+        strategy.run(step, args=batch)
+
+    run = run if eager else tf.function(run)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(micro_batch)
+    for batch in strategy.experimental_distribute_dataset(dataset):
+        run(batch)
+
+
+@pytest.mark.parametrize("pattern", ["fit", "tf.function loop", "eager loop"])
+def test_accumulation_under_two_replicas_equals_one_big_batch(two_cpu_strategy, pattern):
+    x, y = _data(32)
+    tfmixprec.set_policy("float32")
+    big = _functional()
+    big.compile(optimizer=_sgd_accumulating(1), loss="mse")
+    big.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)  # 2 steps of 16
+    with two_cpu_strategy.scope():
+        small = _functional()
+        small.compile(optimizer=_sgd_accumulating(4), loss="mse")
+    if pattern == "fit":  # micro-batches of 4: 2 samples on each replica
+        small.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    else:
+        _custom_loop(two_cpu_strategy, small, x, y, 4, eager=pattern == "eager loop")
+    for a, b in zip(_weights(big), _weights(small)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert small.optimizer.read_state() == big.optimizer.read_state()  # 2 applied steps
+    assert int(small.optimizer._accumulator.micro_step.numpy()) == 0
+    _replica_copies_identical(small)
+
+
+def test_accumulation_under_two_replicas_sums_stay_on_each_replica(two_cpu_strategy):
+    """Mid-window nothing crosses replicas: each replica's copy of a sum is its own gradients'
+    sum (so the gradients are all-reduced once per window, at its end)."""
+    x, y = _data(16)
+    tfmixprec.set_policy("float32")
     with two_cpu_strategy.scope():
         model = _functional()
-        model.compile(optimizer="sgd", loss="mse", accumulation_steps=2)
-    x, y = _data(16)
-    with pytest.raises(ValueError, match=r"not supported under a tf.distribute strategy"):
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        model.compile(optimizer=_sgd_accumulating(4), loss="mse")
+    model.fit(x[:8], y[:8], batch_size=4, epochs=1, verbose=0, shuffle=False)  # half a window
+    kernel = model.get_layer("hidden").kernel
+    expected = []
+    for replica in range(2):  # micro-batch k gives samples 4k+2r, 4k+2r+1 to replica r
+        rows = [4 * k + 2 * replica + i for k in range(2) for i in range(2)]
+        total = 0.0
+        for k in range(2):
+            with tf.GradientTape() as tape:
+                pred = model(x[rows[2 * k : 2 * k + 2]])
+                loss = keras.losses.MeanSquaredError()(y[rows[2 * k : 2 * k + 2]], pred) / 2
+            total += tape.gradient(loss, kernel.value).numpy()
+        expected.append(total)
+    index = model.optimizer.variable_index(kernel)
+    copies = [t.numpy() for t in model.optimizer._accumulator.sums[index].value.values]
+    assert not np.allclose(copies[0], copies[1])
+    for copy, total in zip(copies, expected):
+        np.testing.assert_allclose(copy, total, rtol=1e-5, atol=1e-7)
+    assert model.optimizer.read_state()["iterations"] == 0
+
+
+def test_accumulation_under_two_replicas_overflow_on_one_replica_skips_the_window(
+    two_cpu_strategy,
+):
+    x, y = _data(32)
+    x[7, 0] = np.inf  # micro-batch 1 of window 0, in replica 1's half (samples 6-7)
+    tfmixprec.set_policy("float32")
+    with two_cpu_strategy.scope():
+        model = _functional()
+        model.compile(optimizer=_sgd_accumulating(4), loss="mse")
+    before = _weights(model)
+    history = model.fit(x[:16], y[:16], batch_size=4, epochs=1, verbose=0, shuffle=False)
+    _same_bits(before, _weights(model))  # the whole window is skipped, on both replicas
+    state = model.optimizer.read_state()
+    assert (state["loss_scale"], state["overflow_steps"], state["iterations"]) == (32.0, 1, 0)
+    assert history.history["overflow"] == [1.0]
+    _replica_copies_identical(model)
+    assert sorted(model.optimizer.overflow_report(model).last_overflow_layers) == ["hidden", "out"]
+    model.fit(x[16:], y[16:], batch_size=4, epochs=1, verbose=0, shuffle=False)  # clean
+    assert model.optimizer.read_state()["iterations"] == 1
+    assert not np.array_equal(before[0], model.weights[0].numpy())
+    _replica_copies_identical(model)
 
 
 # ------------------------------------------------------------------ custom loops

@@ -44,6 +44,7 @@ __all__ = [
     "tensorboard_batch_work",
     "tensorboard_step",
     "tensorboard_writer",
+    "update_each_copy",
 ]
 
 
@@ -128,7 +129,9 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
     whose branch calls the inner optimizer is not allowed. So tfmixprec keeps Keras's `apply`
     and its structure, and maps its private parts onto named methods that subclasses
     implement: `check_step` (the finite check, with per-variable flags), `apply_finite_step`
-    and `skip_step`. Keras 3.12 to 3.15 have the same `_tf_apply`.
+    and `skip_step`. Keras 3.12 to 3.15 have the same `_tf_apply`. `apply_when` runs the same
+    step only at the end of an accumulation window (the `cond` on the window, like the one on
+    the finite flag, in cross-replica context where the strategy needs it).
     """
 
     def check_step(self, grads: Sequence[Any], trainable_variables: Any) -> tuple[Any, Any]:
@@ -149,31 +152,68 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            finite, evidence = self.check_step(grads, trainable_variables)
-            tf.cond(
-                finite,
-                lambda: self.apply_finite_step(grads, trainable_variables),
-                lambda: self.skip_step(evidence),
-            )
+            self._checked_step(grads, trainable_variables)
             return
 
         def in_cross_replica(distribution: Any, grads: Any, variables: Any) -> None:
-            checked = distribution.extended.call_for_each_replica(
-                self.check_step, args=(grads, variables)
-            )
-            # Every replica computed the same values (the flags are all-reduced).
-            finite, evidence = (distribution.experimental_local_results(v)[0] for v in checked)
-
-            def apply_fn() -> None:
-                distribution.extended.call_for_each_replica(
-                    self.apply_finite_step, args=(grads, variables)
-                )
-
-            tf.cond(finite, apply_fn, lambda: self.skip_step(evidence))
+            self._cross_replica_step(distribution, (grads, variables), lambda g, v: (g, v))
 
         tf.distribute.get_replica_context().merge_call(
             in_cross_replica, args=(grads, trainable_variables)
         )
+
+    def apply_when(self, ready: Any, window: Any, clear: Any) -> None:
+        """If `ready`, applies or skips the gradients `window()` returns, as `apply` does,
+        then calls `clear()`; else does nothing.
+
+        For gradient accumulation: `ready` (a scalar bool every replica computes alike) says
+        the window is full; `window()` returns `(grads, variables)`, each replica's own (read
+        from its accumulators, in that replica's context). Nothing crosses replicas unless
+        `ready`; then, as in `apply`, the finite flags and the gradients are all-reduced once.
+        `clear()` runs in replica or in cross-replica context.
+        """
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context.")
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+
+            def step() -> None:
+                self._checked_step(*window())
+                clear()
+
+            tf.cond(ready, step, lambda: None)
+            return
+
+        def in_cross_replica(distribution: Any, ready: Any) -> None:
+            def step() -> None:
+                self._cross_replica_step(distribution, (), window)
+                clear()
+
+            tf.cond(distribution.experimental_local_results(ready)[0], step, lambda: None)
+
+        tf.distribute.get_replica_context().merge_call(in_cross_replica, args=(ready,))
+
+    def _checked_step(self, grads: Any, variables: Any) -> None:
+        """In replica context: the finite check, then apply or skip."""
+        finite, evidence = self.check_step(grads, variables)
+        tf.cond(
+            finite,
+            lambda: self.apply_finite_step(grads, variables),
+            lambda: self.skip_step(evidence),
+        )
+
+    def _cross_replica_step(self, distribution: Any, args: tuple, step_args: Any) -> None:
+        """In cross-replica context: each replica checks `step_args(*its args)`; the `cond`
+        is here, since a `cond` in replica context must not call `merge_call` (the inner
+        optimizer does)."""
+        each_replica = distribution.extended.call_for_each_replica
+        checked = each_replica(lambda *a: self.check_step(*step_args(*a)), args=args)
+        # Every replica computed the same values (the flags are all-reduced).
+        finite, evidence = (distribution.experimental_local_results(v)[0] for v in checked)
+
+        def apply_fn() -> None:
+            each_replica(lambda *a: self.apply_finite_step(*step_args(*a)), args=args)
+
+        tf.cond(finite, apply_fn, lambda: self.skip_step(evidence))
 
     # Keras's hooks (called from `LossScaleOptimizer._common_apply` / `_tf_apply`).
     def _stateful_handle_finite_grads(self, grads: Sequence[Any], trainable_variables: Any) -> None:
@@ -246,6 +286,36 @@ class MultiWorkerFit:
             return tf.nest.map_structure(_as_vector, step_function(data))
 
         return super()._make_function(step_with_vector_logs)
+
+
+def update_each_copy(variables: Sequence[Any], fn: Any, values: Sequence[Any] = ()) -> None:
+    """Calls `fn(copy, value)` on this replica's own copy of each variable (on every copy in
+    cross-replica context), with one `merge_call` at the most: the copies of a mirrored
+    variable then differ (each replica's running sum), and nothing crosses replicas.
+
+    Why: `tf.distribute.StrategyExtended.update` does this for one variable, through a
+    `merge_call` of its own under strategies that need one (MirroredStrategy and
+    MultiWorkerMirroredStrategy without XLA); whether one is needed is TensorFlow's internal
+    `strategy_supports_no_merge_call` (as Keras's own gradient accumulators do).
+
+    Args:
+        variables: Keras or TF variables, created in the strategy's scope.
+        fn: Callable `(tf.Variable, value) -> op`, or `(tf.Variable) -> op` without `values`.
+        values: Per-replica values, one a variable (or none).
+    """
+    targets = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+
+    def update(distribution: Any, *values: Any) -> None:
+        for i, target in enumerate(targets):
+            args = (values[i],) if values else ()
+            distribution.extended.update(target, fn, args=args, group=False)
+
+    strategy = tf.distribute.get_strategy()
+    no_merge = tf.__internal__.distribute.strategy_supports_no_merge_call()
+    if tf.distribute.in_cross_replica_context() or no_merge:
+        update(strategy, *values)
+    else:
+        tf.distribute.get_replica_context().merge_call(update, args=tuple(values))
 
 
 def recorded_call_kwargs(layer: Any) -> list[dict[str, Any]] | None:

@@ -1,10 +1,13 @@
 """Gradient accumulation for `LossScaleOptimizer`: one applied step per window of micro-batches.
 
-The window's unscaled gradients are summed in float32 variables; when the window is full their
-mean goes through the optimizer's one finite check and is applied (or skipped) once. A
-micro-batch with an Inf/NaN spoils the whole window: the mean of each variable whose gradient
-was not finite in the window reaches the finite check as a NaN, so the window is skipped, the
-scale backs off once, and the overflow is attributed to those variables.
+Each replica sums its window's unscaled gradients in float32 variables of its own (its copy
+of each mirrored sum; nothing crosses replicas during the window). When the window is full,
+each replica's mean goes through the optimizer's one finite check and is applied (or skipped)
+once: the finite flags and the gradients are all-reduced then, once per applied step, so the
+step equals one batch as large as the window's micro-batches on all replicas together. A
+micro-batch with an Inf/NaN on any replica spoils the whole window: the mean of each variable
+whose gradient was not finite reaches the finite check as a NaN, so every replica skips the
+window, the scale backs off once, and the overflow is attributed to those variables.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import keras
 import tensorflow as tf
+
+from tfmixprec._keras_compat import update_each_copy
 
 # Internal module: the package exports nothing from it (other modules import what they use).
 __all__: list[str] = []
@@ -22,6 +26,20 @@ __all__: list[str] = []
 def _sum_dtype(dtype: Any) -> str:
     """float64 variables are summed in float64, everything narrower in float32."""
     return "float64" if str(getattr(dtype, "name", dtype)) == "float64" else "float32"
+
+
+def _add(copy: Any, value: Any) -> Any:
+    if isinstance(value, tf.IndexedSlices):
+        return copy.scatter_add(value)
+    return copy.assign_add(value)
+
+
+def _assign_max(copy: Any, value: Any) -> Any:
+    return copy.assign(tf.maximum(copy.read_value(), value))
+
+
+def _clear(copy: Any) -> Any:
+    return copy.assign(tf.zeros_like(copy.read_value()))
 
 
 class GradientAccumulator(tf.Module):
@@ -51,9 +69,11 @@ class GradientAccumulator(tf.Module):
         grads: Sequence[Any],
         indices: Sequence[int],
         nonfinite: tf.Tensor,
-        apply_window: Callable[[list[Any]], None],
+        apply_when: Callable[..., None],
+        variables: Sequence[Any],
     ) -> None:
-        """Adds one micro-batch; at the end of the window, applies the mean and starts over.
+        """Adds one micro-batch of this replica; at the end of the window, applies the mean
+        and starts over.
 
         Each call is one micro-batch, so it must cover every variable (`None` where a variable
         has no gradient); a call on part of the variables raises.
@@ -62,12 +82,13 @@ class GradientAccumulator(tf.Module):
             grads: Unscaled gradients (`None` for a variable without one this micro-batch).
             indices: The position of each gradient's variable (as in `build`'s `var_list`).
             nonfinite: Int vector, one entry a variable (in `build`'s order): 1 where this
-                micro-batch's gradient was not finite (the optimizer's `check_step`).
-            apply_window: Called with the window's mean gradient of every variable, in the
-                order of `build`'s `var_list`, at the end of the window.
+                replica's gradient was not finite in this micro-batch.
+            apply_when: The optimizer's `apply_when(ready, window, clear)`.
+            variables: The optimizer's variables, in `build`'s order.
         """
         self._check_call(indices)
         finite = tf.equal(tf.reduce_max(nonfinite), 0)
+        pairs = []
         for index, grad in zip(indices, grads):
             if grad is None:
                 continue
@@ -75,26 +96,16 @@ class GradientAccumulator(tf.Module):
             values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
             values = tf.where(finite, tf.cast(values, total.dtype), tf.zeros((), total.dtype))
             if isinstance(grad, tf.IndexedSlices):
-                total.value.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
-            else:
-                total.assign_add(values)
-        window = self.window_nonfinite.value
-        self.window_nonfinite.assign(tf.maximum(window, tf.cast(nonfinite, window.dtype)))
-        self.micro_step.assign_add(1)
-        keras.ops.cond(
-            self.micro_step.value >= self.steps,
-            lambda: self._end_window(apply_window),
-            lambda: None,
-        )
+                values = tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+            pairs.append((total, values))
+        update_each_copy([total for total, _ in pairs], _add, [values for _, values in pairs])
+        window = tf.cast(nonfinite, self.window_nonfinite.dtype)
+        update_each_copy([self.window_nonfinite], _assign_max, [window])
+        update_each_copy([self.micro_step], _add, [tf.constant(1, self.micro_step.dtype)])
+        ready = self.micro_step.value.read_value() >= self.steps
+        apply_when(ready, lambda: (self.window_means(variables), list(variables)), self.clear)
 
     def _check_call(self, indices: Sequence[int]) -> None:
-        strategy = tf.distribute.get_strategy()
-        if strategy.num_replicas_in_sync > 1:
-            raise ValueError(
-                "accumulation_steps > 1 is not supported under a tf.distribute strategy with "
-                f"{strategy.num_replicas_in_sync} replicas yet. Use accumulation_steps=1 and a "
-                f"larger global batch instead. Received: accumulation_steps={self.steps!r}"
-            )
         if sorted(indices) != list(range(len(self.sums))):
             raise ValueError(
                 f"With accumulation_steps={self.steps}, each apply() is one micro-batch and "
@@ -102,17 +113,24 @@ class GradientAccumulator(tf.Module):
                 f"variable without a gradient). Received gradients for {len(indices)} of them."
             )
 
-    def _end_window(self, apply_window: Callable[[list[Any]], None]) -> None:
-        window = self.window_nonfinite.value
-        # A variable whose gradient was not finite in the window reaches the one finite check
-        # as a NaN mean: the window is skipped, backs off once, and is attributed to it.
+    def window_means(self, variables: Sequence[Any]) -> list[Any]:
+        """This replica's mean gradient of the window, one a variable (in `variables`'
+        dtype); NaN for a variable whose gradient was not finite in the window, so that the
+        one finite check skips the window and blames it."""
+        window = self.window_nonfinite.value.read_value()
         nan = float("nan")
-        means = [
-            tf.where(window[i] > 0, tf.constant(nan, total.dtype), total.value / self.steps)
-            for i, total in enumerate(self.sums)
+        return [
+            tf.cast(
+                tf.where(
+                    window[i] > 0,
+                    tf.constant(nan, total.dtype),
+                    total.value.read_value() / self.steps,
+                ),
+                variable.dtype,
+            )
+            for i, (total, variable) in enumerate(zip(self.sums, variables))
         ]
-        apply_window(means)
-        for total in self.sums:
-            total.assign(tf.zeros_like(total.value))
-        self.micro_step.assign(0)
-        self.window_nonfinite.assign(tf.zeros_like(window))
+
+    def clear(self) -> None:
+        """Starts a new window (on this replica, or on all of them in cross-replica context)."""
+        update_each_copy([*self.sums, self.window_nonfinite, self.micro_step], _clear)

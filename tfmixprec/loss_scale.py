@@ -177,7 +177,7 @@ def all_finite(grads: Sequence[Any]) -> tf.Tensor:
 
 
 def check(
-    grads: Sequence[Any], indices: Sequence[int], num_variables: int
+    grads: Sequence[Any], indices: Sequence[int], num_variables: int, across_replicas: bool = True
 ) -> tuple[tf.Tensor, tf.Tensor]:
     """The finite check of one step: whether every gradient is finite, and the evidence of
     which are not.
@@ -194,6 +194,8 @@ def check(
         grads: The step's gradients (`None` for a variable without one).
         indices: The position of each gradient's variable among the optimizer's.
         num_variables: The optimizer's number of variables.
+        across_replicas: Bool. False: this replica's verdicts only, no all-reduce (a
+            micro-batch of gradient accumulation; the window's are all-reduced at its end).
 
     Returns:
         `(finite, evidence)`: a scalar bool, and a float32 vector with one entry a variable
@@ -209,7 +211,7 @@ def check(
         return tf.constant(True), tf.zeros([num_variables], tf.float32)
     evidence = tf.stack(sums)
     ctx = tf.distribute.get_replica_context()
-    if ctx is not None and ctx.num_replicas_in_sync > 1:
+    if across_replicas and ctx is not None and ctx.num_replicas_in_sync > 1:
         bad = tf.cast(tf.logical_not(tf.math.is_finite(evidence)), tf.float32)
         bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, bad)
         evidence = tf.where(bad > 0.0, tf.constant(float("inf")), tf.constant(0.0))

@@ -490,16 +490,12 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         grads = self._loss_scale.unscale_received(grads, keep, indices, has_float8)
         if self._accumulator is None:
             super().apply(grads, trainable_variables)
-        else:
-            _, evidence = self.check_step(grads, variables)
-            self._accumulator.add(grads, indices, nonfinite_flags(evidence), self._apply_window)
+        else:  # this replica's flags only: the window's are all-reduced once, at its end
+            _, evidence = check(grads, indices, len(tracked), across_replicas=False)
+            flags = nonfinite_flags(evidence)
+            self._accumulator.add(grads, indices, flags, self.apply_when, tracked)
         if tf.executing_eagerly() and not tf.distribute.has_strategy():
             self.check_min_scale()
-
-    def _apply_window(self, means: list[Any]) -> None:
-        variables = self.tracked_variables()
-        grads = [tf.cast(m, v.dtype) for m, v in zip(means, variables)]
-        keras.optimizers.LossScaleOptimizer.apply(self, grads, variables)
 
     def check_finite(self, grads: Sequence[Any]) -> tf.Tensor:
         """Returns a scalar bool: True if every gradient is finite on every replica."""
