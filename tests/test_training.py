@@ -450,7 +450,7 @@ def test_accumulation_under_two_replicas_equals_one_big_batch(two_cpu_strategy, 
     _replica_copies_identical(small)
 
 
-def test_accumulation_under_two_replicas_sums_stay_on_each_replica(two_cpu_strategy):
+def test_accumulation_under_two_replicas_sums_stay_on_each_replica(two_cpu_strategy, tmp_path):
     """Mid-window nothing crosses replicas: each replica's copy of a sum is its own gradients'
     sum (so the gradients are all-reduced once per window, at its end)."""
     x, y = _data(16)
@@ -476,6 +476,15 @@ def test_accumulation_under_two_replicas_sums_stay_on_each_replica(two_cpu_strat
     for copy, total in zip(copies, expected):
         np.testing.assert_allclose(copy, total, rtol=1e-5, atol=1e-7)
     assert model.optimizer.read_state()["iterations"] == 0
+    # A backup in mid-window holds replica 0's sums and restores them on every replica (README).
+    model.save_weights(tmp_path / "mid.weights.h5")
+    with two_cpu_strategy.scope():
+        restored = _functional()
+        restored.compile(optimizer=_sgd_accumulating(4), loss="mse")
+        restored.optimizer.build(restored.trainable_variables)
+    restored.load_weights(tmp_path / "mid.weights.h5")
+    sums = restored.optimizer._accumulator.sums[index].value.values
+    _same_bits([copies[0], copies[0]], [t.numpy() for t in sums])
 
 
 def test_accumulation_under_two_replicas_overflow_on_one_replica_skips_the_window(
