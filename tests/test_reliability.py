@@ -1,11 +1,11 @@
-"""Reliability: injected faults, SIGKILL and resume, replicas and workers, bad input, bad data."""
+"""Reliability: injected faults, SIGKILL and resume, replicas, bad input, bad data (workers:
+tests/test_multi_worker.py)."""
 
 import contextlib
 import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import warnings
@@ -175,7 +175,7 @@ def test_tf_checkpoint_restore_continues_identically(tmp_path):
     assert _snapshot(second, second.optimizer) == _snapshot(first, first.optimizer)
 
 
-# ------------------------------------------------------------------ replicas, workers
+# ------------------------------------------------------------------ replicas
 def test_mirrored_custom_loop_one_replica_overflow(two_cpu_strategy):
     strategy = two_cpu_strategy
     with strategy.scope():
@@ -215,57 +215,6 @@ def test_mirrored_custom_loop_one_replica_overflow(two_cpu_strategy):
         assert copies[0] == copies[1]
     assert opt.read_state()["overflow_steps"] == 1
     assert opt.read_state()["loss_scale"] == 4.0
-
-
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
-@pytest.mark.slow
-def test_multi_worker_overflow_on_one_worker(tmp_path):
-    ports = _free_ports(2)
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
-    procs = []
-    for index in range(2):
-        env = dict(
-            ENV,
-            TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKERS / "multiworker_worker.py"), "--out", str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        )
-    try:
-        outputs = [proc.communicate(timeout=240) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for proc, (_, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err.decode()[-3000:]
-    states = [json.loads((tmp_path / f"state-{i}.json").read_text()) for i in range(2)]
-    # Each worker's batches of 8 are split into global steps of 4 per worker; worker 1's Inf
-    # batch (samples 16-23) falls into steps 4 and 5, on worker 1 only.
-    for state in states:
-        assert state["state"]["overflow_steps"] == 2  # both workers skipped both steps
-        assert state["state"]["iterations"] == 8
-        assert state["overflow_log"] == [0.0] * 4 + [1.0, 1.0] + [0.0] * 4
-    assert states[0]["state"] == states[1]["state"]
-    weights = [np.load(tmp_path / f"weights-{i}.npz") for i in range(2)]
-    assert len(weights[0].files) == 4
-    for name in weights[0].files:
-        assert weights[0][name].tobytes() == weights[1][name].tobytes()
 
 
 # ------------------------------------------------------------------ bad input catalog

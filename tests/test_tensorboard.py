@@ -3,9 +3,11 @@
 import inspect
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -141,6 +143,46 @@ def test_no_duplicate_tags_with_mixed_precision_model(tmp_path):
         & tags
     )
     assert {"mixed_precision/loss_scale", "batch_loss", "epoch_loss"} <= tags
+
+
+def test_only_the_chief_writes_under_a_multi_worker_strategy(
+    tmp_path, two_cpu_strategy, monkeypatch
+):
+    """A 2-replica MirroredStrategy made to answer `should_save_summary` False, as
+    MultiWorkerMirroredStrategy does on a worker that is not the chief."""
+    extended = type(two_cpu_strategy.extended)
+    monkeypatch.setattr(extended, "should_save_summary", property(lambda self: False))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    with two_cpu_strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3,))
+        model = tfmixprec.MixedPrecisionModel(inputs, keras.layers.Dense(2)(inputs))
+        model.compile(optimizer=LossScaleOptimizer("sgd"), loss="mse")
+    x, y = np.ones((16, 3), "float32"), np.ones((16, 2), "float32")
+    x[4, 0] = np.inf
+    log_dir = tmp_path / "logs"
+    board = tfmixprec.TensorBoard(str(log_dir), update_freq=1)
+
+    def keep(logs):  # before the board's on_train_end: its train writer is the default one
+        tf.summary.flush()
+        shutil.copytree(tmp_path / "tmp", tmp_path / "kept")
+
+    watch = keras.callbacks.LambdaCallback(on_train_end=keep)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[watch, board])
+    kept = list((tmp_path / "kept").glob("*/train/events.*"))
+    assert len(kept) == 1 and kept[0].parts[-3].startswith("tfmixprec-tb-worker-")
+    acc = event_accumulator.EventAccumulator(str(kept[0].parent), {"tensors": 0})
+    acc.Reload()  # the worker wrote as usual, into its own folder
+    assert [e.step for e in acc.Tensors("mixed_precision/overflow")] == [1]
+    model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[board])
+    model.predict(x, batch_size=8, verbose=0, callbacks=[board])
+    assert list((tmp_path / "tmp").iterdir()) == []  # its folder removed each time
+    assert not log_dir.exists()
+    assert board.log_dir == board.get_config()["log_dir"] == str(log_dir)
+    monkeypatch.undo()  # the chief: the same callback writes into log_dir
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[board])
+    assert len(list((log_dir / "train").glob("events.*"))) == 1
 
 
 def test_update_freq_is_respected(tmp_path):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,6 +87,18 @@ def _profile_batch_value(profile_batch: int | str | Sequence[int]) -> int | list
     return profile_batch
 
 
+def _writes_summaries(model: Any) -> bool:
+    """Whether this process writes summaries for `model`: False only on a worker of a
+    multi-worker strategy that is not the chief (`extended.should_save_summary`)."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if strategy is None:
+        return True
+    try:
+        return bool(strategy.extended.should_save_summary)
+    except NotImplementedError:  # a strategy that does not say: every process writes
+        return True
+
+
 def _without_loss_scale(logs: dict | None) -> dict | None:
     """The logs for Keras's own writer: without the loss-scale values, which this callback
     writes under `mixed_precision/` (else each would appear twice, e.g. `batch_loss_scale`)."""
@@ -93,8 +107,52 @@ def _without_loss_scale(logs: dict | None) -> dict | None:
     return {key: value for key, value in logs.items() if key not in LOG_KEYS}
 
 
+class _ChiefWrites(keras.callbacks.TensorBoard):
+    """`keras.callbacks.TensorBoard` that writes on the chief only under a multi-worker
+    strategy: another worker's run folders are a temporary folder, removed when it is done."""
+
+    _worker_dir: str | None = None  # where a worker other than the chief writes
+    _in_fit = False
+
+    def set_model(self, model: Any) -> None:
+        self._drop_worker_dir()  # left by an `evaluate`, `predict` or `fit` that did not end
+        self._in_fit = False
+        log_dir = self.log_dir
+        if not _writes_summaries(model):  # Keras derives its run folders from log_dir here
+            self._worker_dir = tempfile.mkdtemp(prefix="tfmixprec-tb-worker-")
+            self.log_dir = self._worker_dir
+        try:
+            super().set_model(model)
+        finally:
+            self.log_dir = log_dir  # the user's, for get_config and a later fit
+
+    def _drop_worker_dir(self) -> None:
+        if self._worker_dir is not None:
+            shutil.rmtree(self._worker_dir, ignore_errors=True)
+            self._worker_dir = None
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        super().on_train_begin(logs)
+        self._in_fit = True
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        super().on_train_end(logs)  # closes the writers
+        self._in_fit = False
+        self._drop_worker_dir()
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        super().on_test_end(logs)
+        if not self._in_fit:  # a plain `evaluate`: Keras leaves its writer open, unused
+            self._drop_worker_dir()
+
+    def on_predict_end(self, logs: dict | None = None) -> None:
+        super().on_predict_end(logs)
+        if not self._in_fit:
+            self._drop_worker_dir()
+
+
 @keras.saving.register_keras_serializable(package="tfmixprec")
-class TensorBoard(keras.callbacks.TensorBoard):
+class TensorBoard(_ChiefWrites):
     """`keras.callbacks.TensorBoard` plus loss-scale and overflow summaries.
 
     Everything Keras's callback writes is still written, except the loss-scale values of the
@@ -112,6 +170,10 @@ class TensorBoard(keras.callbacks.TensorBoard):
     `update_freq=1`). It also writes a custom-scalars layout named "Mixed precision". Batches
     where it does not write cost no host sync. The step axis is the global batch (the epoch
     with `"epoch"`).
+
+    Under a multi-worker strategy only the chief writes (every worker may pass the same
+    `log_dir`); the other workers do all the rest, writing into a temporary folder that is
+    removed when training ends.
 
     `get_config()` holds every argument of `keras.callbacks.TensorBoard`; `gradient_monitor`
     is left out (a `GradientRangeMonitor` holds a data batch and is not serializable): pass
@@ -288,6 +350,8 @@ class TensorBoard(keras.callbacks.TensorBoard):
                 "diagnosis must be what tfmixprec.explain_overflow returned (an "
                 f"OverflowDiagnosis). Received: diagnosis of type {type(diagnosis).__name__}"
             )
+        if self.model is not None and not _writes_summaries(self.model):
+            return  # a worker other than the chief: the chief writes its own diagnosis
         if step is None:
             step = self._current_step()
         # Its own writer into the run's train directory: Keras closes its writers when

@@ -1,8 +1,9 @@
-"""One worker of a 2-process MultiWorkerMirroredStrategy run on 127.0.0.1.
+"""One worker of a 2-process MultiWorkerMirroredStrategy custom loop on 127.0.0.1
+(tests/test_multi_worker.py).
 
-TF_CONFIG comes from the environment. Worker 1's batch 2 is all Inf (worker 0's is clean):
-both workers must skip that step. Writes the final weights (.npz) and optimizer state (.json)
-to --out.
+TF_CONFIG comes from the environment; each worker has its own data (no sharding). Worker 1's
+batch 2 is all Inf (worker 0's is clean): both workers must skip that step. Writes the final
+weights (.npz) and optimizer state (.json) to --out.
 """
 
 import argparse
@@ -44,10 +45,8 @@ def main():
         model = tfmixprec.MixedPrecisionModel(inputs, outputs)
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", loss_scaling="dynamic")
 
-    # Keras 3.15's fit() does not run under MultiWorkerMirroredStrategy on this stack (its
-    # symbolic build reduces a batch with strategy.reduce() in eager mode, which collective
-    # strategies refuse, and its log reduction fails on scalars): plain keras.Model included.
-    # So the steps run through tfmixprec's train_step directly, one strategy.run per batch.
+    # A custom loop, as a user's own would be: tfmixprec's train_step, one strategy.run per
+    # batch (tests/workers/fit_worker.py runs Keras's own fit instead).
     @tf.function
     def step(batch):
         logs = strategy.run(model.train_step, args=(batch,))
