@@ -92,3 +92,11 @@ def test_diagnosis_names_every_case():
     assert len(verdicts) == 4
     assert all(line.endswith("[OK]") for line in verdicts), verdicts
     assert "found forward-overflow in attention" in verdicts[0]
+
+
+def test_multi_worker_smoke():
+    out = _run("multi_worker.py", "--smoke")
+    rows = [line.split()[0] for line in out.splitlines() if "ms/step" in line]
+    assert rows == ["plain", "mwms-1", "mwms-2"]
+    assert "round 0: 2 workers' weights bit-identical: True;" in out
+    assert "(allclose rtol 1e-5, atol 1e-6: True)" in out

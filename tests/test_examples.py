@@ -56,3 +56,33 @@ def test_distributed_mirrored_example():
     assert out.startswith("replicas: 2")
     assert "overflow steps 2 (skipped on every replica)" in out
     assert "weights identical across replicas: True" in out
+
+
+def test_multi_worker_example(tmp_path):
+    out = _run(
+        "multi_worker.py",
+        "--local",
+        "2",
+        "--epochs",
+        "2",
+        "--policy",
+        "mixed_float16",
+        "--out",
+        str(tmp_path),
+        timeout=600,
+    )
+    assert "--- worker 0 (exit code 0)" in out and "--- worker 1 (exit code 0)" in out
+    chief = [line for line in out.splitlines() if line.startswith("chief: ")]
+    assert len(chief) == 1  # printed by worker 0 only
+    assert chief[0].startswith(
+        "chief: 2 replicas, policy mixed_float16, loss scale 32768, overflow steps 0, "
+    )
+    assert float(chief[0].split("test accuracy ")[1]) > 0.7
+    workers = [line for line in out.splitlines() if line.startswith("worker ")]
+    assert [line.split(":")[0] for line in workers] == ["worker 0", "worker 1"]
+    accuracies = {line.split("test accuracy ")[1].split(",")[0] for line in workers}
+    fingerprints = {line.split("weights sha256 ")[1] for line in workers}
+    assert len(accuracies) == 1 and len(fingerprints) == 1  # the workers agree
+    assert len(fingerprints.pop()) == 64
+    assert (tmp_path / "model.keras").is_file()  # written by the chief's ModelCheckpoint
+    assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
