@@ -14,8 +14,8 @@ folder every worker can write to (a shared file system):
         python examples/multi_worker.py --epochs 3 --out /shared/run      # on host1
     # the same on host2 with "index": 1
 
-On one machine (a laptop, CI), `--local 2` starts 2 workers on 127.0.0.1 itself
-(`tfmixprec.testing.run_workers`) and prints the end of each one's output:
+On one machine (a laptop, CI), `--local 2` starts 2 workers on 127.0.0.1 itself, on the CPU
+(`tfmixprec.testing.run_workers`), and prints the end of each one's output:
 
     python examples/multi_worker.py --local 2 --epochs 3 --out /tmp/run
 """
@@ -62,7 +62,14 @@ def run_local(args: argparse.Namespace, argv: list[str]) -> int:
     from tfmixprec.testing import run_workers
 
     command = [sys.executable, os.path.abspath(__file__), *without_local(argv)]
-    results = run_workers(command, args.local, timeout=args.timeout)
+    # A rehearsal on the CPU: N processes would each take every GPU's memory. On a machine
+    # with a GPU per worker, start the workers yourself, each with its own TF_CONFIG and GPU.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    try:
+        results = run_workers(command, args.local, timeout=args.timeout, env=env)
+    except TimeoutError as error:
+        print(f"the {args.local} workers did not finish: {error}", file=sys.stderr)
+        return 1
     for result in results:
         print(f"--- worker {result.index} (exit code {result.returncode})")
         print("\n".join(result.stdout.rstrip().splitlines()[-12:]))
@@ -108,7 +115,7 @@ def build_model(strategy: tf.distribute.Strategy, accumulation_steps: int):
     return model
 
 
-def make_callbacks(strategy: tf.distribute.Strategy, out: str, index: int) -> list:
+def make_callbacks(strategy: tf.distribute.Strategy, out: str, task: str) -> list:
     """The callbacks of every worker; the checkpoint on the chief only."""
     import keras
 
@@ -120,7 +127,7 @@ def make_callbacks(strategy: tf.distribute.Strategy, out: str, index: int) -> li
         tfmixprec.OverflowGuard(patience=50, max_consecutive=5, verbose=int(chief)),
         tfmixprec.TensorBoard(os.path.join(out, "logs")),  # written by the chief
         # Keras's BackupAndRestore knows nothing of workers: one folder each, or they race.
-        keras.callbacks.BackupAndRestore(os.path.join(out, "backup", f"worker-{index}")),
+        keras.callbacks.BackupAndRestore(os.path.join(out, "backup", task)),
     ]
     if chief:
         callbacks.append(keras.callbacks.ModelCheckpoint(os.path.join(out, "model.keras")))
@@ -140,12 +147,14 @@ def fingerprint(model) -> str:
 def train(args: argparse.Namespace, strategy: tf.distribute.Strategy) -> dict:
     import tfmixprec
 
-    index = strategy.cluster_resolver.task_id or 0  # None without TF_CONFIG: one worker
+    resolver = strategy.cluster_resolver  # task None without TF_CONFIG: one worker
+    index = resolver.task_id or 0
+    task = f"{resolver.task_type or 'worker'}-{index}"  # "chief-0" and "worker-0" may both be
     chief = strategy.extended.should_checkpoint
     policy = tfmixprec.set_policy(args.policy)
     train_data, test_data = load_data(args.batch)
     model = build_model(strategy, args.accumulation_steps)
-    callbacks = make_callbacks(strategy, args.out, index)
+    callbacks = make_callbacks(strategy, args.out, task)
     model.fit(train_data, epochs=args.epochs, verbose=2 if chief else 0, callbacks=callbacks)
     _, accuracy = model.evaluate(test_data, verbose=0)  # the same on every worker
     state = model.optimizer.read_state()

@@ -167,7 +167,8 @@ def test_inf_on_one_workers_shard_skips_the_step_on_both(fit_run):
 
 @pytest.mark.slow
 def test_custom_loop_overflow_on_one_worker(tmp_path):
-    """`strategy.run(model.train_step)` per batch, each worker with its own data."""
+    """`strategy.run(model.train_step)` per batch, each worker with its own data; then a plain
+    keras.Model's own fit under the same strategy (which fails upstream)."""
     command = [sys.executable, str(WORKERS / "multiworker_worker.py"), "--out", str(tmp_path)]
     _assert_all_ok(run_workers(command, num_workers=2, timeout=240))
     states = [json.loads((tmp_path / f"state-{i}.json").read_text()) for i in range(2)]
@@ -178,6 +179,14 @@ def test_custom_loop_overflow_on_one_worker(tmp_path):
         assert state["state"]["iterations"] == 8
         assert state["overflow_log"] == [0.0] * 4 + [1.0, 1.0] + [0.0] * 4
     assert states[0]["state"] == states[1]["state"]
+    # A plain keras.Model's fit under the same strategy: the upstream failure tfmixprec works
+    # around (keras-team/keras#20585). If this fails, Keras fixed it: update the README.
+    for state in states:
+        assert state["keras_fit"].startswith("fit failed: Attempt to convert a value (PerReplica:{")
+        assert (
+            "<class 'tensorflow.python.distribute.values.PerReplica'>) to a Tensor"
+            in (state["keras_fit"])
+        )
     weights = [np.load(tmp_path / f"weights-{i}.npz") for i in range(2)]
     assert len(weights[0].files) == 4
     for name in weights[0].files:
