@@ -511,17 +511,17 @@ def test_accumulation_under_two_replicas_overflow_on_one_replica_skips_the_windo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("inf_sample", [-1, 7])
-def test_accumulation_across_two_workers_equals_one_big_batch(tmp_path, inf_sample):
+def test_accumulation_across_two_workers_equals_one_big_batch(tmp_path):
     """2 worker processes (MultiWorkerMirroredStrategy on 127.0.0.1), micro-batches of 4 (2
-    samples a worker), windows of 4: equal to one process with batches of 16. Sample 7 (worker
-    1's half of micro-batch 1) Inf: both workers skip window 0, bit-identically."""
+    samples a worker), windows of 4: equal to one process with batches of 16, on clean data
+    and with sample 7 (worker 1's half of micro-batch 1) Inf: both workers skip window 0,
+    bit-identically."""
     import json
     import sys
     from pathlib import Path
 
     worker = Path(__file__).parent / "workers" / "accumulation_worker.py"
-    command = [sys.executable, str(worker), "--out", str(tmp_path), "--inf-sample", str(inf_sample)]
+    command = [sys.executable, str(worker), "--out", str(tmp_path), "--inf-sample", "-1", "7"]
     for result in tfmixprec.testing.run_workers(command, 2, timeout=240):
         assert result.returncode == 0, result.stderr[-3000:]
     sys.path.insert(0, str(worker.parent))
@@ -529,17 +529,19 @@ def test_accumulation_across_two_workers_equals_one_big_batch(tmp_path, inf_samp
         import accumulation_worker
     finally:
         sys.path.remove(str(worker.parent))
-    x, y = accumulation_worker.data(inf_sample)
-    big = accumulation_worker.build(accumulation_steps=1)
-    history = big.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
-    states = [json.loads((tmp_path / f"state-{i}.json").read_text()) for i in range(2)]
-    weights = [np.load(tmp_path / f"weights-{i}.npz") for i in range(2)]
-    assert states[0] == states[1]
-    assert states[0]["state"] == big.optimizer.read_state()
-    assert states[0]["history"]["overflow"] == history.history["overflow"]
-    _same_bits(*[[w[name] for name in w.files] for w in weights])
-    for mine, theirs in zip(_weights(big), [weights[0][name] for name in weights[0].files]):
-        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    for inf_sample, overflows in [(-1, [0.0]), (7, [1.0])]:
+        x, y = accumulation_worker.data(inf_sample)
+        big = accumulation_worker.build(accumulation_steps=1)
+        history = big.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        assert history.history["overflow"] == overflows
+        states = [json.loads((tmp_path / f"{inf_sample}-{i}.json").read_text()) for i in (0, 1)]
+        weights = [np.load(tmp_path / f"{inf_sample}-{i}.npz") for i in (0, 1)]
+        assert states[0] == states[1]
+        assert states[0]["state"] == big.optimizer.read_state()
+        assert states[0]["history"]["overflow"] == history.history["overflow"]
+        _same_bits(*[[w[name] for name in w.files] for w in weights])
+        for mine, theirs in zip(_weights(big), [weights[0][name] for name in weights[0].files]):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------ custom loops

@@ -2,9 +2,9 @@
 
 TF_CONFIG comes from the environment. Both workers read the same 32 samples; the dataset is
 sharded by data, so each global micro-batch of 4 gives 2 samples to each worker, and a window
-of 4 micro-batches is one applied step of 16 samples. With --inf-sample N, sample N is Inf
-(on the worker whose shard holds it). Writes the final weights (.npz), the optimizer state
-and the loss history (.json) to --out.
+of 4 micro-batches is one applied step of 16 samples. For each N of --inf-sample (-1: none), a
+fresh model is trained on the data with sample N Inf (on the worker whose shard holds it), and
+its final weights (.npz), optimizer state and loss history (.json) written to --out.
 """
 
 import argparse
@@ -49,25 +49,25 @@ def build(accumulation_steps):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--inf-sample", type=int, default=-1)
+    parser.add_argument("--inf-sample", type=int, nargs="+", default=[-1])
     args = parser.parse_args()
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     import numpy as np
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    x, y = data(args.inf_sample)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    dataset = dataset.with_options(options)
-    with strategy.scope():
-        model = build(accumulation_steps=4)
-    history = model.fit(dataset, epochs=1, verbose=0)
-    np.savez(os.path.join(args.out, f"weights-{task}.npz"), *[w.numpy() for w in model.weights])
-    record = {"state": model.optimizer.read_state(), "history": history.history}
-    with open(os.path.join(args.out, f"state-{task}.json"), "w") as f:
-        json.dump(record, f)
+    for inf_sample in args.inf_sample:
+        dataset = tf.data.Dataset.from_tensor_slices(data(inf_sample)).batch(4)
+        with strategy.scope():
+            model = build(accumulation_steps=4)
+        history = model.fit(dataset.with_options(options), epochs=1, verbose=0)
+        name = os.path.join(args.out, f"{inf_sample}-{task}")
+        np.savez(f"{name}.npz", *[w.numpy() for w in model.weights])
+        record = {"state": model.optimizer.read_state(), "history": history.history}
+        with open(f"{name}.json", "w") as f:
+            json.dump(record, f)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ SIGKILL at global batch N.
 """
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -27,13 +26,6 @@ STEPS = 10  # global steps per epoch
 EPOCHS = 3
 
 
-def fingerprint(model):
-    digest = hashlib.sha256()
-    for variable in model.weights + model.optimizer.variables:
-        digest.update(np.asarray(variable.numpy()).tobytes())
-    return digest.hexdigest()
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -42,8 +34,7 @@ def main():
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()  # first, before any other op
     import keras
-
-    import tfmixprec
+    from resume_worker import build_model, fingerprint  # its folder is on sys.path
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     rng = np.random.default_rng(0)
@@ -56,16 +47,7 @@ def main():
     train = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).with_options(options)
 
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((4,))
-        outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(inputs))
-        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
-        model.compile(
-            optimizer=tfmixprec.LossScaleOptimizer(
-                keras.optimizers.Adam(1e-2), initial_scale=256, growth_interval=3, hysteresis=2
-            ),
-            loss="mse",
-        )
+        model = build_model()
 
     class Recorder(keras.callbacks.Callback):
         def __init__(self):

@@ -58,6 +58,22 @@ class Recorder(keras.callbacks.Callback):
         self.write(snapshot(self.model, "end", self.step))
 
 
+def build_model():
+    """Dense(8, relu) -> Dense(1), compiled with a dynamic scale that moves within an epoch
+    (also built by tests/workers/mw_resume_worker.py, in its strategy's scope)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(inputs))
+    model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+    model.compile(
+        optimizer=tfmixprec.LossScaleOptimizer(
+            keras.optimizers.Adam(1e-2), initial_scale=256, growth_interval=3, hysteresis=2
+        ),
+        loss="mse",
+    )
+    return model
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--backup", required=True)
@@ -71,16 +87,7 @@ def main():
     x[2 * 8, 0] = np.inf  # batch 2 of every epoch overflows
     x[6 * 8, 1] = np.nan  # and batch 6
 
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((4,))
-    outputs = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(inputs))
-    model = tfmixprec.MixedPrecisionModel(inputs, outputs)
-    model.compile(
-        optimizer=tfmixprec.LossScaleOptimizer(
-            keras.optimizers.Adam(1e-2), initial_scale=256, growth_interval=3, hysteresis=2
-        ),
-        loss="mse",
-    )
+    model = build_model()
     model.fit(
         x,
         y,
