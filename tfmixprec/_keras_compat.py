@@ -288,10 +288,11 @@ class MultiWorkerFit:
         return super()._make_function(step_with_vector_logs)
 
 
-def update_each_copy(variables: Sequence[Any], fn: Any, values: Sequence[Any] = ()) -> None:
-    """Calls `fn(copy, value)` on this replica's own copy of each variable (on every copy in
-    cross-replica context), with one `merge_call` at the most: the copies of a mirrored
-    variable then differ (each replica's running sum), and nothing crosses replicas.
+def update_each_copy(updates: Sequence[tuple[Any, Any, tuple]]) -> None:
+    """For each `(variable, fn, args)`, calls `fn(copy, *args)` on this replica's own copy of
+    the variable (on every copy in cross-replica context), in order, with one `merge_call` at
+    the most for all of them: the copies of a mirrored variable then differ (each replica's
+    running sum), and nothing crosses replicas.
 
     Why: `tf.distribute.StrategyExtended.update` does this for one variable, through a
     `merge_call` of its own under strategies that need one (MirroredStrategy and
@@ -299,23 +300,27 @@ def update_each_copy(variables: Sequence[Any], fn: Any, values: Sequence[Any] = 
     `strategy_supports_no_merge_call` (as Keras's own gradient accumulators do).
 
     Args:
-        variables: Keras or TF variables, created in the strategy's scope.
-        fn: Callable `(tf.Variable, value) -> op`, or `(tf.Variable) -> op` without `values`.
-        values: Per-replica values, one a variable (or none).
+        updates: `(variable, fn, args)` triples: a Keras or TF variable created in the
+            strategy's scope, a callable `(tf.Variable, *args) -> op`, and a tuple of
+            per-replica values (possibly empty).
     """
-    targets = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+    targets = [
+        (v.value if isinstance(v, keras.Variable) else v, fn, len(args)) for v, fn, args in updates
+    ]
+    flat = tuple(value for _, _, args in updates for value in args)
 
     def update(distribution: Any, *values: Any) -> None:
-        for i, target in enumerate(targets):
-            args = (values[i],) if values else ()
+        remaining = iter(values)
+        for target, fn, count in targets:
+            args = tuple(next(remaining) for _ in range(count))
             distribution.extended.update(target, fn, args=args, group=False)
 
     strategy = tf.distribute.get_strategy()
     no_merge = tf.__internal__.distribute.strategy_supports_no_merge_call()
     if tf.distribute.in_cross_replica_context() or no_merge:
-        update(strategy, *values)
+        update(strategy, *flat)
     else:
-        tf.distribute.get_replica_context().merge_call(update, args=tuple(values))
+        tf.distribute.get_replica_context().merge_call(update, args=flat)
 
 
 def recorded_call_kwargs(layer: Any) -> list[dict[str, Any]] | None:

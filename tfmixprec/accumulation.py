@@ -88,7 +88,7 @@ class GradientAccumulator(tf.Module):
         """
         self._check_call(indices)
         finite = tf.equal(tf.reduce_max(nonfinite), 0)
-        pairs = []
+        updates = []
         for index, grad in zip(indices, grads):
             if grad is None:
                 continue
@@ -97,11 +97,14 @@ class GradientAccumulator(tf.Module):
             values = tf.where(finite, tf.cast(values, total.dtype), tf.zeros((), total.dtype))
             if isinstance(grad, tf.IndexedSlices):
                 values = tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-            pairs.append((total, values))
-        update_each_copy([total for total, _ in pairs], _add, [values for _, values in pairs])
+            updates.append((total, _add, (values,)))
         window = tf.cast(nonfinite, self.window_nonfinite.dtype)
-        update_each_copy([self.window_nonfinite], _assign_max, [window])
-        update_each_copy([self.micro_step], _add, [tf.constant(1, self.micro_step.dtype)])
+        one = tf.constant(1, self.micro_step.dtype)
+        updates += [
+            (self.window_nonfinite, _assign_max, (window,)),
+            (self.micro_step, _add, (one,)),
+        ]
+        update_each_copy(updates)  # one merge_call at the most, per micro-batch
         ready = self.micro_step.value.read_value() >= self.steps
         apply_when(ready, lambda: (self.window_means(variables), list(variables)), self.clear)
 
@@ -133,4 +136,6 @@ class GradientAccumulator(tf.Module):
 
     def clear(self) -> None:
         """Starts a new window (on this replica, or on all of them in cross-replica context)."""
-        update_each_copy([*self.sums, self.window_nonfinite, self.micro_step], _clear)
+        update_each_copy(
+            [(v, _clear, ()) for v in (*self.sums, self.window_nonfinite, self.micro_step)]
+        )
