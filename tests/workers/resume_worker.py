@@ -8,7 +8,6 @@ SIGKILL at global batch N (mid-epoch).
 """
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -17,17 +16,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from fit_worker import fingerprint  # noqa: E402  (its folder is on sys.path)
 
 import tfmixprec  # noqa: E402
 
 SAVE_FREQ = 4
-
-
-def fingerprint(model):
-    digest = hashlib.sha256()
-    for variable in model.weights + model.optimizer.variables:
-        digest.update(np.asarray(variable.numpy()).tobytes())
-    return digest.hexdigest()
 
 
 def snapshot(model, event, step):
