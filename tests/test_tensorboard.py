@@ -111,15 +111,22 @@ def test_overflow_report_and_diagnosis_as_text(tmp_path):
     x = np.ones((BATCH, 3), "float32")
     x[0, 1] = np.inf
     diagnosis = tfmixprec.explain_overflow(model, (x, np.ones((BATCH, 2), "float32")))
+    files_before = set((tmp_path / "train").iterdir())
     board.write_diagnosis(diagnosis)
     board.write_diagnosis(diagnosis, step=42)
+    for step in range(100, 112):  # more than crosses the event files' counter from 9 to 10
+        board.write_diagnosis(diagnosis, step=step)
+    # All diagnoses in one event file, so they read back in the order written (event files
+    # made in one second sort by a counter as text: "...10.v2" before "...9.v2").
+    assert len(set((tmp_path / "train").iterdir()) - files_before) == 1
     acc = _events(tmp_path)
     reports = _texts(acc, "mixed_precision/overflow_report")
     assert [step for step, _ in reports] == [3, 6]
     assert reports[1][1].startswith("**2 overflow steps**, last at step 5")
     assert "| layer | overflow steps | last step | variables |" in reports[1][1]
     texts = _texts(acc, "mixed_precision/diagnosis")
-    assert [step for step, _ in texts] == [8, 42]  # the last global batch, then as given
+    # The last global batch, then as given.
+    assert [step for step, _ in texts] == [8, 42] + list(range(100, 112))
     assert texts[0][1].startswith("**bad-data**: the batch's inputs hold 1 NaN/Inf values")
     with pytest.raises(TypeError, match="diagnosis must be what tfmixprec.explain_overflow"):
         board.write_diagnosis("bad-data")

@@ -232,6 +232,7 @@ class TensorBoard(_ChiefWrites):
         self._last_overflow_total = 0
         self._grad_measured_at: int | None = None
         self._epoch = 0
+        self._diagnosis_writer: tuple[str, Any] | None = None  # (its directory, the writer)
         self.diagnose = diagnose
         self._diagnoser = diagnoser
 
@@ -356,10 +357,16 @@ class TensorBoard(_ChiefWrites):
             step = self._current_step()
         # Its own writer into the run's train directory: Keras closes its writers when
         # training ends, and a diagnosis usually comes after an overflow, often after `fit`.
-        writer = tf.summary.create_file_writer(os.path.join(self.log_dir, "train"))
+        # One writer (one event file) for all of this callback's diagnoses: event files
+        # opened in the same second sort by a per-process counter as text ("...10.v2" before
+        # "...9.v2"), so a new file per diagnosis could be read back out of order.
+        log_dir = os.path.join(self.log_dir, "train")
+        if self._diagnosis_writer is None or self._diagnosis_writer[0] != log_dir:
+            self._diagnosis_writer = (log_dir, tf.summary.create_file_writer(log_dir))
+        writer = self._diagnosis_writer[1]
         with writer.as_default(), tf.summary.record_if(True):
             tf.summary.text(TAGS["diagnosis"], diagnosis.to_markdown(), step=step)
-        writer.close()
+        writer.flush()
 
     def _current_step(self) -> int:
         if self.update_freq == "epoch":
