@@ -304,23 +304,20 @@ def update_each_copy(updates: Sequence[tuple[Any, Any, tuple]]) -> None:
             strategy's scope, a callable `(tf.Variable, *args) -> op`, and a tuple of
             per-replica values (possibly empty).
     """
-    targets = [
-        (v.value if isinstance(v, keras.Variable) else v, fn, len(args)) for v, fn, args in updates
-    ]
-    flat = tuple(value for _, _, args in updates for value in args)
+    targets = [(v.value if isinstance(v, keras.Variable) else v, fn) for v, fn, _ in updates]
+    # Each update's args as one tuple: merge_call regroups nested tuples leaf by leaf.
+    all_args = tuple(tuple(args) for _, _, args in updates)
 
-    def update(distribution: Any, *values: Any) -> None:
-        remaining = iter(values)
-        for target, fn, count in targets:
-            args = tuple(next(remaining) for _ in range(count))
+    def update(distribution: Any, *per_update_args: tuple) -> None:
+        for (target, fn), args in zip(targets, per_update_args):
             distribution.extended.update(target, fn, args=args, group=False)
 
     strategy = tf.distribute.get_strategy()
     no_merge = tf.__internal__.distribute.strategy_supports_no_merge_call()
     if tf.distribute.in_cross_replica_context() or no_merge:
-        update(strategy, *flat)
+        update(strategy, *all_args)
     else:
-        tf.distribute.get_replica_context().merge_call(update, args=flat)
+        tf.distribute.get_replica_context().merge_call(update, args=all_args)
 
 
 def recorded_call_kwargs(layer: Any) -> list[dict[str, Any]] | None:
