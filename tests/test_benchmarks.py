@@ -1,6 +1,7 @@
 """Smoke runs of the benchmark scripts at tiny sizes: they keep working. No timing is asserted."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,4 +100,5 @@ def test_multi_worker_smoke():
     rows = [line.split()[0] for line in out.splitlines() if "ms/step" in line]
     assert rows == ["plain", "mwms-1", "mwms-2"]
     assert "round 0: 2 workers' weights bit-identical: True;" in out
-    assert "(allclose rtol 1e-5, atol 1e-6: True)" in out
+    # The tolerance follows from the compute dtype and the steps (multi_worker.tolerance).
+    assert re.search(r"after 2 steps: mwms-2 \S+ \(allclose rtol \S+, atol \S+: True\)", out), out
