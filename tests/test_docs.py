@@ -20,29 +20,37 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def readme_python_blocks():
-    """`(line, source)` of each ```python block of the README."""
+    """`(line, source, shown)` of each ```python block of the README; `shown` is the ```text
+    block right after it (what it prints, `...` for lines left out), or None."""
     text = README.read_text()
     blocks = []
-    for match in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
-        blocks.append((text.count("\n", 0, match.start()) + 2, match.group(1)))
+    pattern = r"^```python\n(.*?)^```\n(?:\n```text\n(.*?)^```\n)?"
+    for match in re.finditer(pattern, text, re.S | re.M):
+        blocks.append((text.count("\n", 0, match.start()) + 2, match.group(1), match.group(2)))
     return blocks
 
 
 def test_readme_python_blocks_run_in_order(tmp_path, monkeypatch):
     """The README's Python blocks, top to bottom in one namespace: each defines what it uses
-    or uses what an earlier block defined. Files they write (TensorBoard runs) go to a
-    temporary folder."""
+    or uses what an earlier block defined, and prints what a ```text block after it shows.
+    Files they write (TensorBoard runs) go to a temporary folder."""
     blocks = readme_python_blocks()
-    assert len(blocks) >= 13
+    assert len(blocks) >= 13 and any(shown for _, _, shown in blocks)
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__readme__"}
-    for line, source in blocks:
+    checker = doctest.OutputChecker()
+    for line, source, shown in blocks:
         code = compile(source, f"README.md (block at line {line})", "exec")
-        with contextlib.redirect_stdout(io.StringIO()):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
             try:
                 exec(code, namespace)
             except Exception as err:
                 raise AssertionError(f"README.md block at line {line} failed: {err!r}") from err
+        if shown is not None:
+            assert checker.check_output(shown, printed.getvalue(), doctest.ELLIPSIS), (
+                f"README.md block at line {line} printed:\n{printed.getvalue()}"
+            )
 
 
 # ----------------------------------------------------------------------------- docstrings

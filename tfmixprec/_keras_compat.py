@@ -39,7 +39,7 @@ __all__ = [
     "functional_init_arguments",
     "no_automatic_dependency_tracking",
     "producing_layer",
-    "recorded_call_kwargs",
+    "producing_output_index",
     "set_compiled_optimizer",
     "tensorboard_batch_work",
     "tensorboard_step",
@@ -65,6 +65,16 @@ def producing_layer(tensor: Any) -> Any:
     """
     history = getattr(tensor, "_keras_history", None)
     return None if history is None else history.operation
+
+
+def producing_output_index(tensor: Any) -> int | None:
+    """Which output of its producing layer a symbolic tensor is (a nested model's outputs are
+    numbered in `keras.tree.flatten` order), or None.
+
+    Why: as `producing_layer`, Keras keeps it only in the private `_keras_history`.
+    """
+    history = getattr(tensor, "_keras_history", None)
+    return None if history is None else history.tensor_index
 
 
 def build_shapes(model: Any) -> dict[str, Any] | None:
@@ -318,17 +328,3 @@ def update_each_copy(updates: Sequence[tuple[Any, Any, tuple]]) -> None:
         update(strategy, *all_args)
     else:
         tf.distribute.get_replica_context().merge_call(update, args=all_args)
-
-
-def recorded_call_kwargs(layer: Any) -> list[dict[str, Any]] | None:
-    """The keyword arguments of each call of `layer` recorded in a functional graph, or None
-    when no call is recorded (a layer of a subclassed model).
-
-    Why: `tfmixprec.audit` needs to know whether a `MultiHeadAttention` is called with
-    `return_attention_scores=True` (then Keras computes its softmax with the layer's own
-    `Softmax`, in the layer's dtype); Keras keeps the calls only in the private `_inbound_nodes`.
-    """
-    nodes = getattr(layer, "_inbound_nodes", None)
-    if not nodes:
-        return None
-    return [dict(node.arguments.kwargs) for node in nodes]

@@ -9,6 +9,8 @@ model's build shapes) live in `_keras_compat`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +18,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmixprec._keras_compat import all_sublayers, build_shapes, producing_layer
+from tfmixprec._keras_compat import (
+    all_sublayers,
+    build_shapes,
+    producing_layer,
+    producing_output_index,
+)
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
@@ -65,78 +72,191 @@ def variable_owners(model: keras.Model) -> dict[int, Any]:
     return owners
 
 
-def output_layers(model: keras.Model) -> list[Any]:
-    """The leaf layers whose outputs are the model's outputs.
+@dataclasses.dataclass(frozen=True)
+class LayerCall:
+    """One call of a leaf layer in an observed call: the dtype and the last dimension of each
+    floating-point tensor it returned, and whether its first argument was floating-point."""
 
-    Functional and Sequential models are read from their graph. Subclassed models are probed
-    with one eager call on a batch of zeros while their layers' calls are watched.
+    layer: Any
+    output_dtypes: tuple[str, ...]
+    output_last_dims: tuple[int | None, ...]
+    float_input: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOutput:
+    """One output of a model: the leaf layer that produced it (None: an operation outside any
+    layer) and its dtype as a real call returns it."""
+
+    layer: Any
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What one inference call of a model on a batch of zeros showed.
+
+    Attributes:
+        outputs: Tuple of `ModelOutput`, in the order of the model's outputs.
+        calls: Tuple of `LayerCall`, in the order the leaf calls ended (empty when the call
+            could not run and the outputs were read from the functional graph instead).
+        observed: Bool. True when the call ran; False for that fallback (a functional model
+            whose inputs of zeros it cannot take, e.g. sizes it checks): the outputs' dtypes
+            are then the ones Keras inferred symbolically.
+    """
+
+    outputs: tuple[ModelOutput, ...]
+    calls: tuple[LayerCall, ...]
+    observed: bool
+
+    def calls_of(self, layer: Any) -> list[LayerCall]:
+        return [call for call in self.calls if call.layer is layer]
+
+
+def _floating(tensor: Any) -> bool:
+    dtype = getattr(tensor, "dtype", None)
+    return dtype is not None and keras.backend.standardize_dtype(dtype).startswith(
+        ("float", "bfloat")
+    )
+
+
+def _dtype_name(tensor: Any) -> str:
+    return keras.backend.standardize_dtype(tensor.dtype)
+
+
+def observe(model: keras.Model) -> Observation:
+    """Calls `model` once, in inference mode, on a batch of zeros (unknown sizes 2) while its
+    leaf layers' calls are watched, and returns what ran and in which dtype.
+
+    Keras's symbolic dtypes can differ from a real call's (a layer's `compute_output_spec`
+    says its compute dtype where its `call` returns float32, as Keras's
+    `ReversibleEmbedding` does for KerasHub's GPT-2, Llama and Gemma logits), so readers that
+    judge dtypes read this. A functional model that cannot take the batch of zeros is read
+    from its graph instead (`observed=False`).
 
     Args:
         model: `keras.Model`. A built model.
 
     Returns:
-        List of layers, each once, in the order of the model's outputs.
+        An `Observation`.
 
     Raises:
         ValueError: For a subclassed model not built from one input (a tensor, a list or a
-            dict of tensors).
+            dict of tensors), or whose call fails on the batch of zeros.
     """
-    found: list[Any] = []
-
-    def add(layer: Any) -> None:
-        if isinstance(layer, keras.Model) and layer.layers:
-            for inner in output_layers(layer):
-                add(inner)
-        elif layer not in found and not isinstance(layer, keras.layers.InputLayer):
-            found.append(layer)
-
+    graph_outputs = _graph_outputs(model)
+    recorder = _CallRecorder()
     try:
-        outputs = model.outputs
+        inputs = _zeros_like_inputs(model)
+        # Keras's own warnings about a batch of zeros (a softmax over a size-1 axis, say) are
+        # not the user's to see; a warnings filter set to "error" must not end the call either.
+        with watch_leaf_calls(model, recorder.record), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = keras.tree.flatten(model(inputs, training=False))
+    except Exception as err:  # any failure of the user's model: read its graph instead
+        if graph_outputs is None:
+            raise ValueError(
+                f"Cannot observe subclassed model {model.name!r}: calling it on a batch of "
+                f"zeros failed ({type(err).__name__}: {err}). Build it with "
+                "model.build(input_shape) or call it on one batch first, with inputs it accepts."
+            ) from err
+        return Observation(tuple(graph_outputs), (), False)
+    outputs = []
+    for index, tensor in enumerate(result):
+        layer = recorder.produced.get(id(tensor), (None, None))[0]
+        if layer is None and graph_outputs is not None and index < len(graph_outputs):
+            layer = graph_outputs[index].layer
+        outputs.append(ModelOutput(layer, _dtype_name(tensor)))
+    return Observation(tuple(outputs), tuple(recorder.calls), True)
+
+
+class _CallRecorder:
+    """Records each watched leaf call (`LayerCall`) and which layer produced which tensor."""
+
+    def __init__(self) -> None:
+        self.calls: list[LayerCall] = []
+        self.produced: dict[int, tuple[Any, Any]] = {}  # id -> (layer, tensor kept alive)
+
+    def record(self, layer: Any, args: tuple, result: Any) -> None:
+        floats = [t for t in keras.tree.flatten(result) if _floating(t)]
+        first = keras.tree.flatten(args[0]) if args and args[0] is not None else []
+        self.calls.append(
+            LayerCall(
+                layer,
+                tuple(_dtype_name(t) for t in floats),
+                tuple(t.shape[-1] if len(t.shape) else None for t in floats),
+                bool(first) and _floating(first[0]),
+            )
+        )
+        for tensor in keras.tree.flatten(result):
+            self.produced[id(tensor)] = (layer, tensor)
+
+
+def _graph_outputs(model: keras.Model) -> list[ModelOutput] | None:
+    """A functional (or Sequential) model's outputs as its graph records them: the leaf layer
+    that produced each (inside nested models too) and the symbolic dtype; None for a
+    subclassed model."""
+    try:
+        tensors = model.outputs
     except (AttributeError, ValueError):
-        outputs = None
-    if outputs:
-        for tensor in keras.tree.flatten(outputs):
-            layer = producing_layer(tensor)
-            if layer is not None:
-                add(layer)
-        return found
-    for layer in _probe_output_layers(model):
-        add(layer)
-    return found
+        tensors = None
+    if not tensors:
+        return None
+    return [ModelOutput(_leaf_producer(t), _dtype_name(t)) for t in keras.tree.flatten(tensors)]
 
 
-def _probe_output_layers(model: keras.Model) -> list[Any]:
-    """Calls a subclassed `model` once on zeros and returns the leaf layers that made its outputs.
+def _leaf_producer(tensor: Any) -> Any:
+    """The leaf layer that produced a symbolic tensor of a functional graph (inside nested
+    models too), or None (an input, or an operation that is not a layer)."""
+    layer, index = producing_layer(tensor), producing_output_index(tensor)
+    while isinstance(layer, keras.Model) and layer.layers and index is not None:
+        inner = keras.tree.flatten(layer.outputs)[index]
+        layer, index = producing_layer(inner), producing_output_index(inner)
+    if layer is None or isinstance(layer, keras.layers.InputLayer):
+        return None
+    return layer if isinstance(layer, keras.layers.Layer) else None
 
-    The leaves' calls are watched with `watch_leaf_calls`.
-    """
+
+_UNKNOWN_SIZE = 2  # a size-1 axis takes other code paths (and Keras warns of some)
+
+
+def _size(dim: int | None) -> int:
+    return _UNKNOWN_SIZE if dim is None else dim
+
+
+def _zeros_like_inputs(model: keras.Model) -> Any:
+    """A batch of zeros in the structure, shapes and dtypes of the model's inputs (unknown
+    sizes `_UNKNOWN_SIZE`)."""
+    try:
+        specs = model.input
+    except (AttributeError, ValueError):
+        specs = None
+    if specs is not None and keras.tree.flatten(specs):
+        return keras.tree.map_structure(
+            lambda spec: keras.ops.zeros([_size(d) for d in spec.shape], spec.dtype),
+            specs,
+        )
     shapes = build_shapes(model)
     if not shapes or len(shapes) != 1:
         raise ValueError(
-            f"Cannot find the output layers of subclassed model {model.name!r}: it was not "
-            "built from one input (a tensor, a list or a dict of tensors). Build it with "
-            "model.build(input_shape) or call it on one batch first."
+            f"Cannot observe subclassed model {model.name!r}: it was not built from one input "
+            "(a tensor, a list or a dict of tensors). Build it with model.build(input_shape) "
+            "or call it on one batch first."
         )
-    # One batch of zeros in the structure the model was built with (a shape, or a dict or
-    # list of shapes), None dimensions as 1.
-    inputs = keras.tree.map_shape_structure(
-        lambda shape: np.zeros([1 if dim is None else dim for dim in shape], "float32"),
+    return keras.tree.map_shape_structure(
+        lambda shape: np.zeros([_size(dim) for dim in shape], "float32"),
         next(iter(shapes.values())),
     )
-    produced: dict[int, tuple[Any, Any]] = {}  # id -> (layer, tensor kept alive)
 
-    def record(layer: Any, args: tuple, result: Any) -> None:
-        for tensor in keras.tree.flatten(result):
-            produced[id(tensor)] = (layer, tensor)
 
-    with watch_leaf_calls(model, record):
-        result = model(inputs, training=False)
-    layers = []
-    for tensor in keras.tree.flatten(result):
-        layer, _ = produced.get(id(tensor), (None, None))
-        if layer is not None:
-            layers.append(layer)
-    return layers
+def output_layers(model: keras.Model) -> list[Any]:
+    """The leaf layers whose outputs are the model's outputs, each once, in order
+    (`observe`'s; an output made outside any layer has none)."""
+    found: list[Any] = []
+    for output in observe(model).outputs:
+        if output.layer is not None and output.layer not in found:
+            found.append(output.layer)
+    return found
 
 
 @contextlib.contextmanager

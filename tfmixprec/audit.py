@@ -12,8 +12,7 @@ from typing import Any
 import keras
 
 from tfmixprec import cpu_float16
-from tfmixprec._keras_compat import recorded_call_kwargs
-from tfmixprec._layers import check_built_model, is_container, iter_layers, output_layers
+from tfmixprec._layers import Observation, check_built_model, is_container, iter_layers, observe
 from tfmixprec._model_file import load_model_file
 from tfmixprec._text import markdown_table
 from tfmixprec.hardware import HardwareInfo, detect_hardware
@@ -23,6 +22,7 @@ __all__ = ["Finding", "LayerDtypes", "AuditReport", "audit"]
 
 SEVERITIES = ("error", "warning", "info")
 ALIGNMENT = 8  # NVIDIA: multiples of 8 for float16 on Tensor Cores
+IMAGE_CHANNELS = 4  # NVIDIA: a first convolution on 3-channel images needs 4 at stride >= 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,50 +137,104 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def _padded(n: int) -> int:
-    return int(math.ceil(n / ALIGNMENT) * ALIGNMENT)
+IMAGE_INPUT = "input channels (a first convolution's, at stride >= 2)"
 
 
-def _sizes_to_align(layer: Any) -> list[tuple[str, int]]:
-    """The sizes of `layer` that Tensor Cores want as multiples of 8."""
-    sizes: list[tuple[str, int]] = []
+def _alignment(what: str) -> int:
+    return IMAGE_CHANNELS if what == IMAGE_INPUT else ALIGNMENT
+
+
+def _padded(n: int, alignment: int = ALIGNMENT) -> int:
+    return int(math.ceil(n / alignment) * alignment)
+
+
+def _sizes_to_align(layer: Any, context: _AuditContext) -> list[tuple[str, int]]:
+    """The sizes of `layer` that Tensor Cores want as multiples of 8: the N and K of the
+    matmul it lowers to (for a convolution, its input and output channels, as NVIDIA's
+    guide states them). Gathers (an `Embedding` lookup) have none."""
     if isinstance(layer, keras.layers.Dense):
-        sizes.append(("units", layer.units))
-        sizes.append(("input features", int(layer.kernel.shape[0])))
-    elif isinstance(layer, keras.layers.Embedding):
-        sizes.append(("embedding dimension (output_dim)", layer.output_dim))
-        sizes.append(("vocabulary size (input_dim)", layer.input_dim))
-    elif isinstance(layer, keras.layers.MultiHeadAttention):
-        sizes.append(("head size (key_dim)", layer.key_dim))
+        return [("units", layer.units), ("input features", int(layer.kernel.shape[0]))]
+    if isinstance(layer, keras.layers.Embedding):
+        return _reverse_projection_sizes(layer, context)
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        sizes = [("head size (key_dim)", layer.key_dim)]
         if layer.value_dim and layer.value_dim != layer.key_dim:
             sizes.append(("value head size (value_dim)", layer.value_dim))
-    elif isinstance(layer, keras.layers.EinsumDense):
-        sizes += _einsum_sizes(layer)
-    elif hasattr(layer, "pointwise_kernel"):  # SeparableConv1D/2D: a 1x1 convolution last
-        sizes.append(("filters", layer.filters))
-        sizes.append(("pointwise input channels", int(layer.pointwise_kernel.shape[-2])))
-    elif hasattr(layer, "filters") and hasattr(layer, "kernel_size") and hasattr(layer, "kernel"):
-        sizes.append(("filters", layer.filters))
-        kernel = layer.kernel.shape
-        transpose = "Transpose" in type(layer).__name__
-        groups = getattr(layer, "groups", 1) or 1
-        in_channels = int(kernel[-1]) if transpose else int(kernel[-2]) * groups
-        sizes.append(("input channels", in_channels))
-    return sizes
+        return sizes
+    if isinstance(layer, keras.layers.EinsumDense):
+        return _einsum_sizes(layer)
+    if hasattr(layer, "pointwise_kernel"):  # SeparableConv1D/2D: a 1x1 convolution last
+        return [
+            ("filters", layer.filters),
+            ("pointwise input channels", int(layer.pointwise_kernel.shape[-2])),
+        ]
+    if hasattr(layer, "filters") and hasattr(layer, "kernel_size") and hasattr(layer, "kernel"):
+        return [("filters", layer.filters), _conv_input_channels(layer)]
+    return []
+
+
+def _conv_input_channels(layer: Any) -> tuple[str, int]:
+    """A convolution's input channels. NVIDIA's guide: multiples of 8 for float16, except the
+    first layer of a CNN on 3-channel images, where 4 suffice with a stride of 2 or more
+    (reported against 4 there: `_padded` rounds to the size's own alignment)."""
+    kernel = layer.kernel.shape
+    transpose = "Transpose" in type(layer).__name__
+    groups = getattr(layer, "groups", 1) or 1
+    channels = int(kernel[-1]) if transpose else int(kernel[-2]) * groups
+    strides = tuple(getattr(layer, "strides", (1,)) or (1,))
+    if channels <= IMAGE_CHANNELS and min(strides) >= 2 and not transpose:
+        return (IMAGE_INPUT, channels)
+    return ("input channels", channels)
+
+
+def _reverse_projection_sizes(layer: Any, context: _AuditContext) -> list[tuple[str, int]]:
+    """A (KerasHub or Keras) `ReversibleEmbedding` called with `reverse=True` in float16 or
+    bfloat16, as observed: its output projection is a matmul of N = the vocabulary size and
+    K = the embedding dimension. A plain lookup is a gather, with no matmul sizes."""
+    reverse_low = any(
+        call.float_input
+        and any(
+            dim == layer.input_dim and dtype in LOW_PRECISION
+            for dtype, dim in zip(call.output_dtypes, call.output_last_dims)
+        )
+        for call in context.observation.calls_of(layer)
+    )
+    if not reverse_low:
+        return []
+    return [
+        ("vocabulary size (input_dim) of the reverse projection", layer.input_dim),
+        ("embedding dimension (output_dim) of the reverse projection", layer.output_dim),
+    ]
 
 
 def _einsum_sizes(layer: Any) -> list[tuple[str, int]]:
-    """An `EinsumDense`'s matmul sizes: its kernel's contracted and output dimensions (those
-    in every operand, e.g. attention heads, are batch dimensions of the product)."""
+    """An `EinsumDense`'s matmul sizes as its einsum lowers to one: K, the product of the
+    dimensions it contracts (in the input and the kernel, not the output), and N, the product
+    of the kernel's dimensions that reach the output. A dimension in all three operands is a
+    batch dimension of the product and counts in neither. So grouped-query attention's key
+    projection `bkm,mvh->bkvh` with 2 heads of 16 has N = 2x16 = 32, not 2."""
     inputs, rest = layer.equation.replace("...", "").split(",")
     kernel, output = rest.split("->")
-    sizes = []
-    for letter, size in zip(kernel, layer.kernel.shape):
-        if letter in inputs and letter not in output:
-            sizes.append((f"input features (equation dimension {letter!r})", int(size)))
-        elif letter in output and letter not in inputs:
-            sizes.append((f"output size (equation dimension {letter!r})", int(size)))
-    return sizes
+    contracted = [(c, int(n)) for c, n in zip(kernel, layer.kernel.shape) if c not in output]
+    kept = [(c, int(n)) for c, n in zip(kernel, layer.kernel.shape) if c not in inputs]
+    contracted = [(c, n) for c, n in contracted if c in inputs]
+    kept = [(c, n) for c, n in kept if c in output]
+    return [
+        size
+        for size in (_product("input features", contracted), _product("output size", kept))
+        if size is not None
+    ]
+
+
+def _product(what: str, dims: list[tuple[str, int]]) -> tuple[str, int] | None:
+    if not dims:
+        return None
+    if len(dims) == 1:
+        return (f"{what} (equation dimension {dims[0][0]!r})", dims[0][1])
+    letters = "".join(c for c, _ in dims)
+    sizes = "x".join(str(n) for _, n in dims)
+    size = math.prod(n for _, n in dims)
+    return (f"{what} (equation dimensions {letters!r}, {sizes} = {size})", size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,13 +246,12 @@ class _AuditContext:
         policy: String or None. The policy audited instead of the model's own (`audit`'s
             `policy=`), or None.
         layers: Tuple of layers. The model's layers, nested ones included, no `InputLayer`.
-        output_ids: Frozenset of ints. The `id()`s of the layers that produce model outputs.
+        observation: `Observation`. One call of the model on zeros under the audited policy:
+            its outputs' dtypes and each leaf call's (`tfmixprec._layers.observe`).
         hardware: `HardwareInfo` or None. The machine for machine findings; None when auditing
             under another policy (no machine findings then).
         followers: Frozenset of ints. The `id()`s of the policy objects that follow the
             model's own policy (a layer built with `dtype=` has a policy object of its own).
-        attention: Dict. `id(softmax layer) -> (attention layer, when it runs)` for the
-            `Softmax` inside each `MultiHeadAttention` (see `_attention_softmax_use`).
         in_attention: Frozenset of ints. The `id()`s of the layers inside a
             `MultiHeadAttention` (the attention layer reports their sizes itself).
     """
@@ -206,10 +259,9 @@ class _AuditContext:
     model_policy: str
     policy: str | None
     layers: tuple[Any, ...]
-    output_ids: frozenset[int]
+    observation: Observation
     hardware: HardwareInfo | None
     followers: frozenset[int] = frozenset()
-    attention: dict[int, tuple[Any, str | None]] = dataclasses.field(default_factory=dict)
     in_attention: frozenset[int] = frozenset()
 
     @property
@@ -233,6 +285,14 @@ class _AuditContext:
         """The compute dtype audited for `layer`."""
         return self.policy_of(layer).compute_dtype
 
+    def low_precision_outputs(self, layer: Any) -> list[str]:
+        """The float16/bfloat16 dtypes of the model outputs `layer` produced, as observed."""
+        return [
+            out.dtype
+            for out in self.observation.outputs
+            if out.layer is layer and out.dtype in LOW_PRECISION
+        ]
+
 
 _FLOAT32_FIX = "Call tfmixprec.float32_outputs(model), or give this layer dtype='float32'."
 _LOSS_SCALE_FIX = "Compile with tfmixprec.LossScaleOptimizer(your_optimizer)."
@@ -241,71 +301,25 @@ _LOSS_SCALE_FIX = "Compile with tfmixprec.LossScaleOptimizer(your_optimizer)."
 # Layer checks: `check(layer, context) -> list[Finding]`, run on every leaf layer.
 
 
-def _low_precision_softmax(layer: Any, context: _AuditContext) -> list[Finding]:
-    compute = context.compute_dtype(layer)
-    reason = float32_reason(layer)
-    if compute not in LOW_PRECISION or reason is None:
-        return []
-    if id(layer) in context.attention:
-        return _attention_softmax(layer, compute, *context.attention[id(layer)])
-    message = f"{reason} computed in {compute}: it saturates and loses small probabilities."
-    return [Finding("error", "low-precision-softmax", layer.name, message, _FLOAT32_FIX)]
+def _low_precision_output(layer: Any, context: _AuditContext) -> list[Finding]:
+    """A model output that a real call returns in float16/bfloat16: the loss sees it.
 
-
-_UNKNOWN_CALLS = "unknown"
-
-
-def _attention_softmax_use(attention: Any) -> str | None:
-    """Why Keras computes `attention`'s softmax with its own `Softmax` layer, or None when it
-    never does (`_UNKNOWN_CALLS` when the model's code does not show how it is called).
-
-    Keras's `MultiHeadAttention._compute_attention` (TensorFlow backend) uses the fused
-    `ops.dot_product_attention`, which casts the scores to float32 and computes the softmax
-    in float32, unless the layer has dropout, attends over more than one axis, or is called
-    with `return_attention_scores=True`: then its `Softmax` layer runs, in the layer's dtype.
+    Only outputs: a softmax, sigmoid or log-softmax inside the model feeds layers that compute
+    in float16/bfloat16 anyway, and computing it in float32 changes nothing measurable there
+    (`benchmarks/softmax_precision.py`: an attention's softmax within 2 machine epsilons of a
+    float32 one, the same training loss to 4 digits).
     """
-    if attention.dropout > 0:
-        return f"dropout={attention.dropout}"
-    axes = attention.attention_axes
-    if axes is not None and len(axes) > 1:
-        return f"attention over axes {tuple(axes)}"
-    calls = recorded_call_kwargs(attention)
-    if calls is None:
-        return _UNKNOWN_CALLS
-    if any(kwargs.get("return_attention_scores") for kwargs in calls):
-        return "it is called with return_attention_scores=True"
-    return None
-
-
-def _attention_softmax(layer: Any, compute: str, attention: Any, use: str | None) -> list[Finding]:
-    """The finding for the `Softmax` inside a `MultiHeadAttention`: an error where it runs."""
-    name = f"MultiHeadAttention {attention.name!r}"
-    if use is None:
-        return []  # the fused path: softmax in float32
-    if use != _UNKNOWN_CALLS:
+    dtypes = context.low_precision_outputs(layer)
+    if not dtypes:
+        return []
+    dtype, reason = dtypes[0], float32_reason(layer)
+    if reason is not None:
         message = (
-            f"{name} computes its attention softmax with this layer ({use}), in {compute}: "
-            "it saturates and loses small probabilities."
+            f"{reason} computed in {dtype} produces a model output: it saturates and loses "
+            "small probabilities, whose log the loss takes."
         )
         return [Finding("error", "low-precision-softmax", layer.name, message, _FLOAT32_FIX)]
-    message = (
-        f"{name} computes its softmax in float32 on Keras's fused path (no dropout, one "
-        f"attention axis); only a call with return_attention_scores=True runs this {compute} "
-        "Softmax layer instead, and a subclassed model's calls cannot be seen here."
-    )
-    fix = "None needed; if the model calls it with return_attention_scores=True: " + (
-        _FLOAT32_FIX[0].lower() + _FLOAT32_FIX[1:]
-    )
-    return [Finding("info", "attention-softmax", layer.name, message, fix)]
-
-
-def _low_precision_output(layer: Any, context: _AuditContext) -> list[Finding]:
-    compute = context.compute_dtype(layer)
-    if compute not in LOW_PRECISION or id(layer) not in context.output_ids:
-        return []
-    if float32_reason(layer) is not None:
-        return []  # reported once, as low-precision-softmax
-    message = f"produces a model output in {compute}; the loss should see float32."
+    message = f"produces a model output in {dtype}; the loss should see float32."
     return [Finding("error", "low-precision-output", layer.name, message, _FLOAT32_FIX)]
 
 
@@ -313,18 +327,18 @@ def _tensor_core_alignment(layer: Any, context: _AuditContext) -> list[Finding]:
     compute = context.compute_dtype(layer)
     if compute not in LOW_PRECISION or id(layer) in context.in_attention:
         return []
-    return [
-        Finding(
-            "warning",
-            "tensor-core-alignment",
-            layer.name,
-            f"{what} is {size}, not a multiple of {ALIGNMENT}: Tensor Cores "
-            f"run {compute} matmuls fastest on multiples of {ALIGNMENT}.",
-            f"Pad {what} to {_padded(size)}.",
-        )
-        for what, size in _sizes_to_align(layer)
-        if size % ALIGNMENT
-    ]
+    findings = []
+    for what, size in _sizes_to_align(layer, context):
+        alignment = _alignment(what)
+        if size % alignment:
+            kind = "convolutions" if hasattr(layer, "kernel_size") else "matmuls"
+            message = (
+                f"{what} is {size}, not a multiple of {alignment}: Tensor Cores run {compute} "
+                f"{kind} fastest on multiples of {alignment}."
+            )
+            fix = f"Pad {what} to {_padded(size, alignment)}."
+            findings.append(Finding("warning", "tensor-core-alignment", layer.name, message, fix))
+    return findings
 
 
 def _low_precision_variable(layer: Any, context: _AuditContext) -> list[Finding]:
@@ -344,6 +358,24 @@ def _low_precision_variable(layer: Any, context: _AuditContext) -> list[Finding]
 
 
 # Model checks: `check(model, context) -> list[Finding]`, run once.
+
+
+def _output_outside_layers(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    """A model output in float16/bfloat16 made by an operation outside any layer (raw
+    tensor arithmetic in a subclassed model's `call`): no layer's dtype can fix it."""
+    dtypes = [
+        out.dtype
+        for out in context.observation.outputs
+        if out.layer is None and out.dtype in LOW_PRECISION
+    ]
+    if not dtypes:
+        return []
+    message = (
+        f"{len(dtypes)} model output(s) in {dtypes[0]} made outside any layer (an operation in "
+        "the model's call); the loss should see float32."
+    )
+    fix = "Cast it in the model's call: keras.ops.cast(output, 'float32')."
+    return [Finding("error", "low-precision-output", None, message, fix)]
 
 
 def _loss_scaling(model: keras.Model, context: _AuditContext) -> list[Finding]:
@@ -419,7 +451,7 @@ def _float32_model(model: keras.Model, context: _AuditContext) -> list[Finding]:
             "policy='mixed_float16' or 'mixed_bfloat16' (tfmixprec audit FILE --policy ...)."
         )
         return [Finding("info", "float32-model", None, message, fix)]
-    found = _run_checks(model, dataclasses.replace(context, policy=choice.name, hardware=None))
+    found = _run_checks(model, _context(model, choice.name, None, context.followers))
     shown = [f"{f.code} [{f.layer or 'model'}] ({f.severity})" for f in found]
     what = "nothing to change" if not found else f"{_count(found)}: " + ", ".join(shown[:5])
     message = (
@@ -447,10 +479,10 @@ _Check = Callable[[Any, _AuditContext], list[Finding]]
 # leaf layer in the model's order, ("model", check) runs `check(model, context)` once after them.
 # The report lists errors, then warnings, then info; within a severity, in this order.
 CHECKS: tuple[tuple[str, _Check], ...] = (
-    ("layer", _low_precision_softmax),  # and low-precision-output: one or the other
-    ("layer", _low_precision_output),
+    ("layer", _low_precision_output),  # or low-precision-softmax for a softmax-like output
     ("layer", _tensor_core_alignment),
     ("layer", _low_precision_variable),
+    ("model", _output_outside_layers),
     ("model", _loss_scaling),  # not-compiled / no-loss-scaling
     ("model", _cpu_float16_kernels),
     ("model", _xla_bfloat16_cpu),
@@ -472,19 +504,31 @@ def _followers(model: keras.Model, layers: Sequence[Any]) -> frozenset[int]:
     return frozenset(id(lyr.dtype_policy) for lyr in layers if lyr.dtype_policy.name == own.name)
 
 
-def _attention_parts(layers: Sequence[Any]) -> tuple[dict[int, tuple[Any, str | None]], set[int]]:
-    """For each `MultiHeadAttention`: its `Softmax` (and when it runs), and its inner layers."""
-    softmaxes: dict[int, tuple[Any, str | None]] = {}
+def _attention_inner_layers(layers: Sequence[Any]) -> frozenset[int]:
+    """The `id()`s of the layers inside each `MultiHeadAttention`."""
     inner: set[int] = set()
     for attention in layers:
-        if not isinstance(attention, keras.layers.MultiHeadAttention):
-            continue
-        use = _attention_softmax_use(attention)
-        for part in iter_layers(attention):
-            inner.add(id(part))
-            if isinstance(part, keras.layers.Softmax):
-                softmaxes[id(part)] = (attention, use)
-    return softmaxes, inner
+        if isinstance(attention, keras.layers.MultiHeadAttention):
+            inner.update(id(part) for part in iter_layers(attention))
+    return frozenset(inner)
+
+
+def _observe_as_audited(
+    model: keras.Model, layers: Sequence[Any], policy: str | None, followers: frozenset[int]
+) -> Observation:
+    """`observe(model)`, with the layers that follow the model's own policy computing in
+    `policy` for the call (restored after it, also when it raises)."""
+    if policy is None:
+        return observe(model)
+    swapped = [layer for layer in [model, *layers] if id(layer.dtype_policy) in followers]
+    saved = [layer.dtype_policy for layer in swapped]
+    try:
+        for layer in swapped:
+            layer.dtype_policy = keras.DTypePolicy(policy)
+        return observe(model)
+    finally:
+        for layer, own in zip(swapped, saved):
+            layer.dtype_policy = own
 
 
 def _context(
@@ -504,16 +548,15 @@ def _context(
     if policy is None:  # the model as it is, on this machine
         machine = detect_hardware() if hardware is None else hardware
     layers = [lyr for lyr in iter_layers(model) if not isinstance(lyr, keras.layers.InputLayer)]
-    softmaxes, inner = _attention_parts(layers)
+    followers = _followers(model, layers) if followers is None else followers
     return _AuditContext(
         model_policy=model.dtype_policy.name,
         policy=policy,
         layers=tuple(layers),
-        output_ids=frozenset(id(layer) for layer in output_layers(model)),
+        observation=_observe_as_audited(model, layers, policy, followers),
         hardware=machine,
-        followers=_followers(model, layers) if followers is None else followers,
-        attention=softmaxes,
-        in_attention=frozenset(inner),
+        followers=followers,
+        in_attention=_attention_inner_layers(layers),
     )
 
 
@@ -547,14 +590,21 @@ def audit(
 ) -> AuditReport:
     """Checks a built model for mixed-precision problems.
 
-    Flags: softmax/sigmoid/log-softmax layers and model outputs computed in float16 or
-    bfloat16 (error); Dense/Conv/Embedding/attention sizes that are not multiples of 8 in
-    float16/bfloat16 layers (warning, with the padded size); a float16 model compiled without
-    a LossScaleOptimizer (error; info if not compiled); variables stored in float16/bfloat16
-    (error: master weights must stay float32). A `MultiHeadAttention`'s own `Softmax` counts
-    only where Keras runs it (dropout, several attention axes, `return_attention_scores=True`);
-    its fused path computes the softmax in float32. A model that computes in float32 only gets
-    a `float32-model` info: what the audit finds under `choose_policy()`'s recommendation.
+    Calls the model once on a batch of zeros (inference mode; nothing changes) and judges
+    what the call shows. Flags: model outputs a real call returns in float16 or bfloat16
+    (error: `low-precision-softmax` for a softmax/sigmoid/log-softmax output layer,
+    `low-precision-output` otherwise), since the loss sees them; a softmax inside the model
+    (an attention's, say) feeds float16/bfloat16 layers and is not flagged (measured:
+    `benchmarks/softmax_precision.py`). Matmul and convolution sizes that are not multiples
+    of 8 in float16/bfloat16 layers (warning, with the padded size): a `Dense`'s units and
+    input features, an `EinsumDense`'s K and N as its einsum lowers to a matmul (dimensions
+    it keeps per head are batch dimensions), a convolution's filters and input channels (4
+    suffice for an image's first convolution at stride >= 2), an attention's head sizes, and
+    the output projection of an embedding called in reverse; an embedding lookup is a gather
+    and has none. A float16 model compiled without a LossScaleOptimizer (error; info if not
+    compiled); variables stored in float16/bfloat16 (error: master weights must stay
+    float32). A model that computes in float32 only gets a `float32-model` info: what the
+    audit finds under `choose_policy()`'s recommendation.
 
     Args:
         model: `keras.Model` (a built model), or the path of a saved `.keras` (or legacy

@@ -13,7 +13,7 @@ from typing import Any
 import keras
 
 from tfmixprec import cpu_float16
-from tfmixprec._layers import check_built_model, forget_traced_functions, iter_layers, output_layers
+from tfmixprec._layers import check_built_model, forget_traced_functions, observe
 from tfmixprec.hardware import GPUInfo, HardwareInfo, detect_hardware
 
 __all__ = [
@@ -269,7 +269,16 @@ def float32_reason(layer: Any) -> str | None:
 
 
 def float32_outputs(model: keras.Model) -> list[PolicyChange]:
-    """Makes output layers and softmax/log-softmax/sigmoid layers compute in float32.
+    """Makes the layers that produce float16/bfloat16 model outputs compute in float32.
+
+    The loss sees the model's outputs: a softmax (or any output) in float16 saturates and
+    loses the small probabilities whose log the loss takes. Which outputs are float16 or
+    bfloat16 is read from one real call of the model on a batch of zeros, not from the
+    layers' policies (KerasHub's causal LMs return float32 logits from a float16 layer:
+    nothing to change there). Softmax, sigmoid and log-softmax layers inside the model are
+    left alone: their consumers compute in float16/bfloat16 anyway, where a float32 softmax
+    changes nothing measurable (`benchmarks/softmax_precision.py`), and an attention whose
+    softmax turned float32 would compute its product with the values in float32 too.
 
     Works on built Sequential, functional and subclassed models, nested ones included. No
     weight value changes (mixed policies already store variables in float32); a second call
@@ -283,7 +292,8 @@ def float32_outputs(model: keras.Model) -> list[PolicyChange]:
 
     Raises:
         TypeError: If `model` is not a `keras.Model`.
-        ValueError: If the model is not built.
+        ValueError: If the model is not built, or is a subclassed model that cannot be called
+            on a batch of zeros.
 
     Example:
 
@@ -294,26 +304,18 @@ def float32_outputs(model: keras.Model) -> list[PolicyChange]:
     ['probs']
     """
     check_built_model(model, "float32_outputs")
-    targets: dict[int, tuple[Any, str]] = {}
-    for layer in output_layers(model):
-        targets[id(layer)] = (layer, "produces a model output")
-    for layer in iter_layers(model):
-        reason = float32_reason(layer)
-        if reason is None:
-            continue
-        if id(layer) in targets:
-            targets[id(layer)] = (layer, f"{targets[id(layer)][1]}; {reason}")
-        else:
-            targets[id(layer)] = (layer, reason)
     # Decide everything first, then change: nothing is half-changed on error.
-    changes = []
-    for layer, why in targets.values():
-        if layer.dtype_policy.compute_dtype in LOW_PRECISION:
-            changes.append(
-                (layer, PolicyChange(layer.name, layer.dtype_policy.name, "float32", why))
-            )
-    for layer, _ in changes:
+    changes: dict[int, tuple[Any, PolicyChange]] = {}
+    for output in observe(model).outputs:
+        layer = output.layer
+        if layer is None or output.dtype not in LOW_PRECISION or id(layer) in changes:
+            continue
+        reason = float32_reason(layer)
+        why = f"produces a model output in {output.dtype}" + (f"; {reason}" if reason else "")
+        change = PolicyChange(layer.name, layer.dtype_policy.name, "float32", why)
+        changes[id(layer)] = (layer, change)
+    for layer, _ in changes.values():
         layer.dtype_policy = keras.DTypePolicy("float32")
     if changes:
         forget_traced_functions(model)
-    return [change for _, change in changes]
+    return [change for _, change in changes.values()]
