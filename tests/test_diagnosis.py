@@ -279,6 +279,44 @@ def test_callbacks_replay_overflow_steps_automatically(tmp_path, capsys):
     assert len(monitor.diagnoses) == 6
 
 
+@pytest.mark.parametrize("compiled", ["keras", "tfmixprec"])
+def test_diagnose_on_a_plain_keras_model(compiled):
+    """A plain keras.Model compiled the Keras way (its LossScaleOptimizer adopted by the
+    callback) or with a tfmixprec one: the step keeps its overflow batches the same way."""
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, name="big")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(1, name="out", dtype="float32")(hidden))
+        if compiled == "keras":
+            optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), 8.0)
+        else:
+            optimizer = tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0)
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    _, x, y = _bad_run_model()
+    monitor = tfmixprec.LossScaleMonitor(diagnose=2)
+    model_class = type(model)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor])
+    found = [(step, d.cause, d.layer, d.loss_scale) for step, d in monitor.diagnoses]
+    assert found == [(1, "forward-overflow", "big", 8.0), (3, "bad-data", None, 4.0)]
+    # The keeping ends with the fit: the class's own step, traced again without it.
+    assert "train_step" not in vars(model) and type(model) is model_class
+    before = len(monitor.diagnoses)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert len(monitor.diagnoses) == before
+
+
+def test_diagnose_without_loss_scaling_has_nothing_to_replay():
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_bfloat16"):
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1, dtype="float32")])
+        model.compile(optimizer="sgd", loss="mse")
+    _, x, y = _bad_run_model()
+    monitor = tfmixprec.LossScaleMonitor(diagnose=2)
+    model.fit(x[:24], y[:24], batch_size=8, verbose=0, callbacks=[monitor])
+    assert monitor.diagnoses == [] and "train_step" not in vars(model)
+
+
 def test_keeping_overflow_batches_keeps_the_data_and_stops():
     model, x, y = _bad_run_model()
     keeper = model.keep_overflow_batches(1)
@@ -303,11 +341,6 @@ def test_automatic_diagnosis_bad_input():
         model.keep_overflow_batches(2)
     with pytest.raises(ValueError, match="limit must be an int >= 0. Received: limit=-2"):
         model.keep_overflow_batches(-2)
-    plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
-    plain.compile(optimizer=tfmixprec.LossScaleOptimizer("sgd"), loss="mse")
-    monitor = tfmixprec.LossScaleMonitor(diagnose=1)
-    with pytest.raises(TypeError, match="only tfmixprec's train_step keeps"):
-        plain.fit(x, y, epochs=1, verbose=0, callbacks=[monitor])
 
 
 class _RaiseAt(keras.callbacks.Callback):

@@ -40,6 +40,7 @@ __all__ = [
     "no_automatic_dependency_tracking",
     "producing_layer",
     "producing_output_index",
+    "replace_train_step",
     "set_compiled_optimizer",
     "tensorboard_batch_work",
     "tensorboard_step",
@@ -328,3 +329,19 @@ def update_each_copy(updates: Sequence[tuple[Any, Any, tuple]]) -> None:
         update(strategy, *all_args)
     else:
         tf.distribute.get_replica_context().merge_call(update, args=all_args)
+
+
+def replace_train_step(model: Any, make_step: Any) -> None:
+    """Makes `model`'s step, from its next trace on, the function `make_step(step)` returns
+    for its current `train_step`; `make_step=None` gives the class's own back.
+
+    Why: Keras traces `model.train_step` into its train function and offers no hook inside
+    the step; tfmixprec's `diagnose=` keeps the batch of an overflow step there, on any model
+    (a KerasHub task model's `train_step` is Keras's own). An instance attribute wins over
+    the class's method for this model alone: its class, saved config and other models are
+    untouched. The caller retraces (`make_train_function(force=True)`).
+    """
+    vars(model).pop("train_step", None)  # the class's method again (no Keras tracking to undo)
+    if make_step is not None:
+        model.train_step = make_step(model.train_step)
+

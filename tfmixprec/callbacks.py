@@ -18,7 +18,12 @@ import tensorflow as tf
 
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.attribution import overflow_report
-from tfmixprec.diagnosis import OverflowDiagnosis, explain_overflow
+from tfmixprec.diagnosis import (
+    OverflowDiagnosis,
+    explain_overflow,
+    keep_for_callbacks,
+    stop_keeping_for_callbacks,
+)
 from tfmixprec.loss_scale import LOG_KEYS, format_scale
 from tfmixprec.optimizer import LossScaleOptimizer, _adopt_loss_scaling, _loss_scaling_of
 
@@ -86,18 +91,13 @@ class _Diagnoser:
         self._keeper: Any = None
         self._first = self._done = 0
 
-    def start(self, model: Any) -> None:
+    def start(self, model: Any, optimizer: LossScaleOptimizer | None) -> None:
+        """Keeps overflow batches for this `fit` in any model's step; nothing to keep without
+        a tfmixprec `LossScaleOptimizer` (no step is skipped then)."""
         self._keeper, self._first, self._done = None, 0, 0
-        if not self.limit:
+        if not self.limit or optimizer is None:
             return
-        if not hasattr(model, "keep_overflow_batches"):
-            raise TypeError(
-                f"{self.who}(diagnose={self.limit}) replays the batch of an overflow step, "
-                "which only tfmixprec's train_step keeps: use tfmixprec.MixedPrecisionModel "
-                "(or call tfmixprec.explain_overflow(model, batch) yourself). Received: "
-                f"model of type {type(model).__name__}"
-            )
-        self._keeper = model._keep_for_callbacks(self.limit)
+        self._keeper = keep_for_callbacks(model, self.limit, self.who)
         self._first = len(self._keeper.kept) if self._keeper is not None else 0
 
     def new(self, model: Any) -> list[tuple[int, OverflowDiagnosis]]:
@@ -125,7 +125,7 @@ class _Diagnoser:
 
     def stop(self, model: Any) -> None:
         if self._keeper is not None:
-            model._stop_keeping_for_callbacks()
+            stop_keeping_for_callbacks(model)
         self._keeper = None
 
 
@@ -208,10 +208,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
     logs; the write interval in TensorBoard); `overflow_steps`, the total since the optimizer
     was created; `skipped_fraction`, `overflow_steps` over all steps.
 
-    With `diagnose=N` (a `MixedPrecisionModel` compiled without XLA), the batches of the
-    first N overflow steps of each `fit` are kept on the host and replayed with
-    `tfmixprec.explain_overflow` right after their step: the results go to `diagnoses` as
-    `(step, OverflowDiagnosis)` and, with `verbose=1`, are printed.
+    With `diagnose=N` (any model with loss scaling, Keras's own adopted, compiled without
+    XLA, one replica), the batches of the first N overflow steps of each `fit` are kept on
+    the host and replayed with `tfmixprec.explain_overflow` right after their step: the
+    results go to `diagnoses` as `(step, OverflowDiagnosis)` and, with `verbose=1`, are
+    printed. Without loss scaling (a plain optimizer under bfloat16 or float32) no step is
+    skipped, so there is nothing to replay.
 
     Steps are numbered by the optimizer's own counters (0-based, skipped steps counted, as
     `tfmixprec.explain_overflow` numbers them), so the numbers are right with any
@@ -272,7 +274,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if opt is not None:
             state = opt.read_state()
             self._reported = (state["overflow_steps"], state["loss_scale"], _attempted(state))
-        self._diagnoser.start(self.model)
+        self._diagnoser.start(self.model, opt)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._diagnoser.stop(self.model)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmixprec._keras_compat import replace_train_step
 from tfmixprec._layers import (
     check_built_model,
     compiled_loss,
@@ -550,3 +552,90 @@ class OverflowBatches:
             return tf.constant(0)
 
         tf.cond(overflowed, on_overflow, lambda: tf.constant(0))
+
+
+# ------------------------------------------------------------------ keeping in the step
+# Any Keras model's step can keep its overflow batches: the step is wrapped for the next trace
+# (`_keras_compat.replace_train_step`), and the wrapper adds the `tf.cond` of
+# `OverflowBatches.keep_if_overflow` after the model's own step. The keeper is host-side: it
+# decides nothing in the step, it only receives batches.
+
+
+def cannot_keep_batches(model: Any) -> str | None:
+    """Why `model`'s step cannot keep the batch of an overflow step, or None."""
+    if getattr(model, "jit_compile", False):
+        return (
+            "keeping the batch of an overflow step copies it to the host inside the step, "
+            "which XLA cannot compile. Compile with jit_compile=False to diagnose overflows "
+            f"automatically. Received: jit_compile={model.jit_compile!r}"
+        )
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if replicas > 1:
+        return (
+            "keeping the batch of an overflow step is not supported under a strategy with "
+            f"{replicas} replicas yet; call tfmixprec.explain_overflow(model, batch) on the "
+            "batch yourself."
+        )
+    steps = getattr(getattr(model, "optimizer", None), "accumulation_steps", 1)
+    if steps > 1:
+        return (
+            "with gradient accumulation an overflow is known only at the window's end, after "
+            "the micro-batch that caused it; keeping batches is not supported there yet. "
+            f"Received: accumulation_steps={steps}"
+        )
+    return None
+
+
+def current_keeper(model: Any) -> OverflowBatches | None:
+    """The `OverflowBatches` `model`'s step keeps overflow batches in, or None."""
+    return getattr(model, "_tfmixprec_overflow_batches", None)
+
+
+def set_keeper(model: Any, keeper: OverflowBatches | None) -> OverflowBatches | None:
+    """From the next traced step on, `model`'s step (any Keras model, compiled with a
+    tfmixprec `LossScaleOptimizer`) keeps the batches of its overflow steps in `keeper`; None
+    stops keeping. Either way the train function is traced again."""
+    model._tfmixprec_overflow_batches = keeper
+    replace_train_step(model, None if keeper is None else _keeping(model, keeper))
+    model.make_train_function(force=True)
+    return keeper
+
+
+def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
+    def make(step: Callable) -> Callable:
+        def keeping_step(data: Any) -> Any:
+            logs = step(data)
+            optimizer = model.optimizer  # read while tracing: the adopted one, if adopted
+            overflow = logs.get("overflow") if isinstance(logs, dict) else None
+            if overflow is None:  # Keras's own train_step: the optimizer's flag, in the graph
+                overflow = optimizer.snapshot()["overflow"]
+            keeper.keep_if_overflow(data, overflow > 0, optimizer)
+            return logs
+
+        return keeping_step
+
+    return make
+
+
+def keep_for_callbacks(model: Any, limit: int, who: str) -> OverflowBatches | None:
+    """For the callbacks' `diagnose=`: the batches kept already (the user's, or another
+    callback's), else a keeper for this `fit`; None, with a warning naming `who`, where
+    batches cannot be kept (training goes on without the replay)."""
+    current = current_keeper(model)
+    if current is not None:
+        if current.owner == "callbacks":
+            current.limit = max(current.limit, limit)
+        return current
+    reason = cannot_keep_batches(model)
+    if reason is not None:
+        warnings.warn(f"{who}: diagnose= is off for this fit: {reason}", RuntimeWarning, 3)
+        return None
+    return set_keeper(model, OverflowBatches(limit, "callbacks"))
+
+
+def stop_keeping_for_callbacks(model: Any) -> None:
+    """Ends the callbacks' keeping (a user's `keep_overflow_batches` is left alone)."""
+    current = current_keeper(model)
+    if current is not None and current.owner == "callbacks":
+        set_keeper(model, None)
+

@@ -186,7 +186,7 @@ class TensorBoard(_ChiefWrites):
             writes its measurements; passing it to `fit` as well does not measure twice.
         diagnose: Int >= 0. Overflow steps per `fit` whose batch is replayed with
             `tfmixprec.explain_overflow` and written as a `mixed_precision/diagnosis` text at
-            its step (a `MixedPrecisionModel` compiled without XLA; 0: none).
+            its step (any model with loss scaling, compiled without XLA; 0: none).
         **kwargs: Any other argument of `keras.callbacks.TensorBoard` (`update_freq`,
             `histogram_freq`, `profile_batch`, ...).
 
@@ -271,7 +271,7 @@ class TensorBoard(_ChiefWrites):
         opt = _adopt_loss_scaling(self.model, "tfmixprec.TensorBoard")
         super().on_train_begin(logs)
         self._last_overflow_total = opt.read_state()["overflow_steps"] if opt is not None else 0
-        self._diagnoser.start(self.model)
+        self._diagnoser.start(self.model, opt)
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
         with tensorboard_writer(self).as_default(), tf.summary.record_if(True):

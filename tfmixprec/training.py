@@ -21,7 +21,12 @@ from tfmixprec import cpu_float16
 from tfmixprec._keras_compat import Functional, MultiWorkerFit, functional_init_arguments
 from tfmixprec._layers import iter_layers
 from tfmixprec.callbacks import _FitWatch, _ProgressBar
-from tfmixprec.diagnosis import OverflowBatches
+from tfmixprec.diagnosis import (
+    OverflowBatches,
+    cannot_keep_batches,
+    set_keeper,
+    stop_keeping_for_callbacks,
+)
 from tfmixprec.loss_scale import default_config
 from tfmixprec.optimizer import LossScaleOptimizer
 
@@ -192,7 +197,7 @@ class MixedPrecisionMixin(MultiWorkerFit):
         try:
             return super().fit(*args, **kwargs)
         finally:  # Keras skips on_train_end when fit raises: the callbacks' keeping ends here
-            self._stop_keeping_for_callbacks()
+            stop_keeping_for_callbacks(self)
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         """Recompiles a loaded model (`keras.models.load_model`) through `compile`."""
@@ -211,9 +216,6 @@ class MixedPrecisionMixin(MultiWorkerFit):
             )
         logs = dict(super().train_step(data))
         logs.update(self.optimizer.snapshot())
-        keeper = getattr(self, "_overflow_batches", None)  # set before tracing, see below
-        if keeper is not None:
-            keeper.keep_if_overflow(data, logs["overflow"] > 0, self.optimizer)
         return logs
 
     def keep_overflow_batches(self, limit: int) -> OverflowBatches | None:
@@ -238,61 +240,10 @@ class MixedPrecisionMixin(MultiWorkerFit):
         """
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise ValueError(f"limit must be an int >= 0. Received: limit={limit!r}")
-        reason = _cannot_keep_batches(self) if limit else None
+        reason = cannot_keep_batches(self) if limit else None
         if reason is not None:
             raise ValueError(reason)
-        return _set_keeper(self, OverflowBatches(limit, "user") if limit else None)
-
-    def _keep_for_callbacks(self, limit: int) -> OverflowBatches | None:
-        """For the callbacks' `diagnose=`: the batches kept already (the user's, or another
-        callback's), else a keeper for this `fit`; None, with a warning, where batches cannot
-        be kept (training goes on without the replay)."""
-        current = getattr(self, "_overflow_batches", None)
-        if current is not None:
-            if current.owner == "callbacks":
-                current.limit = max(current.limit, limit)
-            return current
-        reason = _cannot_keep_batches(self)
-        if reason is not None:
-            warnings.warn(f"diagnose= is off for this fit: {reason}", RuntimeWarning, stacklevel=3)
-            return None
-        return _set_keeper(self, OverflowBatches(limit, "callbacks"))
-
-    def _stop_keeping_for_callbacks(self) -> None:
-        current = getattr(self, "_overflow_batches", None)
-        if current is not None and current.owner == "callbacks":
-            _set_keeper(self, None)
-
-
-def _cannot_keep_batches(model: Any) -> str | None:
-    """Why the step cannot keep the batch of an overflow step, or None."""
-    if getattr(model, "jit_compile", False):
-        return (
-            "keeping the batch of an overflow step copies it to the host inside the step, "
-            "which XLA cannot compile. Compile with jit_compile=False to diagnose overflows "
-            f"automatically. Received: jit_compile={model.jit_compile!r}"
-        )
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    if replicas > 1:
-        return (
-            "keeping the batch of an overflow step is not supported under a strategy with "
-            f"{replicas} replicas yet; call tfmixprec.explain_overflow(model, batch) on the "
-            "batch yourself."
-        )
-    steps = getattr(getattr(model, "optimizer", None), "accumulation_steps", 1)
-    if steps > 1:
-        return (
-            "with gradient accumulation an overflow is known only at the window's end, after "
-            "the micro-batch that caused it; keeping batches is not supported there yet. "
-            f"Received: accumulation_steps={steps}"
-        )
-    return None
-
-
-def _set_keeper(model: Any, keeper: OverflowBatches | None) -> OverflowBatches | None:
-    model._overflow_batches = keeper  # read while tracing `train_step`
-    model.make_train_function(force=True)  # traced again, with or without the keeping
-    return keeper
+        return set_keeper(self, OverflowBatches(limit, "user") if limit else None)
 
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
