@@ -3,6 +3,7 @@
 from tfmixprec import cpu_float16
 from tfmixprec import datasets
 from tfmixprec import testing
+from tfmixprec import zoo
 from tfmixprec._version import __version__
 from tfmixprec.audit import AuditReport
 from tfmixprec.audit import Finding
@@ -84,4 +85,5 @@ __all__ = [
     "policy_scope",
     "set_policy",
     "testing",
+    "zoo",
 ]

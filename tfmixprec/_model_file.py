@@ -260,8 +260,13 @@ def _compile(model: keras.Model, compile_config: dict[str, Any], wrapped: bool |
     """
     if "legacy_optimizer" in compile_config:
         model.compile(optimizer=keras.optimizers.deserialize(compile_config["legacy_optimizer"]))
-    elif wrapped is False and type(model).compile is keras.Model.compile:
-        config = keras.saving.deserialize_keras_object(compile_config)
-        model.compile(**config, auto_scale_loss=False)
+    elif type(model).compile_from_config is not keras.Model.compile_from_config:
+        model.compile_from_config(compile_config)  # the class recompiles itself (tfmixprec's)
     else:
-        model.compile_from_config(compile_config)
+        # What Keras's own `compile_from_config` does, also for a class with its own
+        # `compile` (a KerasHub task), which Keras skips with a warning: that task would keep
+        # the default compile its constructor made, not the file's.
+        config = keras.saving.deserialize_keras_object(compile_config)
+        if wrapped is False:
+            config["auto_scale_loss"] = False
+        model.compile(**config)

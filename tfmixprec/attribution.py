@@ -181,7 +181,10 @@ def overflow_report(model: Any) -> OverflowReport:
         raise TypeError(
             "overflow_report reads the attribution a tfmixprec.LossScaleOptimizer keeps. "
             f"Received: {type(model).__name__} whose optimizer is {what}. Compile with "
-            "tfmixprec.LossScaleOptimizer(...) or use tfmixprec.MixedPrecisionModel."
+            "tfmixprec.LossScaleOptimizer(...) or use tfmixprec.MixedPrecisionModel. (A "
+            "bfloat16 or float32 model needs no loss scaling, and without it no step is "
+            "skipped: a fixed scale, tfmixprec.LossScaleOptimizer(opt, initial_scale=1, "
+            "dynamic=False), skips and attributes the non-finite ones.)"
         )
     owner = model if isinstance(model, keras.Model) else None
     return optimizer.overflow_report(owner)

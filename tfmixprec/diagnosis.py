@@ -13,7 +13,8 @@ weight, optimizer slot or loss scale. It looks, in this order, for:
   not; the replay halves the scale until they are (k halvings: the dynamic scale finds that
   level by itself, nothing to fix) and names the first layer whose gradients overflowed;
 - `underflow`: nothing overflows, but a large share of the scaled gradients (measured in
-  float32) is below float16's smallest subnormal, 2^-24, and would flush to zero;
+  float32) is below float16's smallest subnormal, 2^-24, and would flush to zero (a model
+  with a float16 layer only: bfloat16 and float32 keep such values);
 - `none`: the batch replays finite at this scale with little underflow.
 
 `OverflowBatches` keeps the batches of overflow steps on the host, from inside the training
@@ -476,7 +477,7 @@ def explain_overflow(
     rows = _layer_rows(model, run, run32)
     verdict = _classify(run, run32, rows, replay, scale)
     underflow = gradient_range_stats([g for g in run32.grads if g is not None]).underflow_fraction
-    if verdict.cause == "none" and underflow >= UNDERFLOW_SHARE:
+    if verdict.cause == "none" and underflow >= UNDERFLOW_SHARE and _computes_in_float16(model):
         verdict = _verdict(
             "underflow",
             None,
@@ -491,6 +492,12 @@ def explain_overflow(
         underflow_fraction=underflow,
         layers=tuple(rows),
     )
+
+
+def _computes_in_float16(model: keras.Model) -> bool:
+    """Whether a layer of `model` computes in float16: only there do gradients below 2^-24
+    flush to zero (bfloat16 and float32 keep them)."""
+    return any(layer.compute_dtype == "float16" for layer in [model, *iter_layers(model)])
 
 
 @dataclasses.dataclass(frozen=True)

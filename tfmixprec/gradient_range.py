@@ -298,8 +298,12 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         scale = opt.read_state()["loss_scale"] if opt is not None else 1.0
         x, y = self.data[0], self.data[1]
         sample_weight = self.data[2] if len(self.data) == 3 else None
-        x = tf.nest.map_structure(tf.convert_to_tensor, x)
-        weight_grads, activation_grads = self._compute(x, y, sample_weight, tf.constant(scale))
+        # Tensors, not NumPy arrays: tf.function traces again for every new array.
+        x, y = tf.nest.map_structure(tf.convert_to_tensor, (x, y))
+        if sample_weight is not None:
+            sample_weight = tf.convert_to_tensor(sample_weight)
+        scale = tf.constant(scale, tf.float32)
+        weight_grads, activation_grads = self._compute(x, y, sample_weight, scale)
         self.weight_stats = gradient_range_stats(weight_grads)
         self.activation_stats = {
             name: gradient_range_stats([g]) for name, g in zip(self.layers, activation_grads)

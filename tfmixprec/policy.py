@@ -314,8 +314,37 @@ def float32_outputs(model: keras.Model) -> list[PolicyChange]:
         why = f"produces a model output in {output.dtype}" + (f"; {reason}" if reason else "")
         change = PolicyChange(layer.name, layer.dtype_policy.name, "float32", why)
         changes[id(layer)] = (layer, change)
+    saved_before = _saved_config(model) if changes else None
     for layer, _ in changes.values():
         layer.dtype_policy = keras.DTypePolicy("float32")
     if changes:
         forget_traced_functions(model)
+        _warn_if_not_saved(model, saved_before, [change for _, change in changes.values()])
     return [change for _, change in changes.values()]
+
+
+def _saved_config(model: keras.Model) -> Any:
+    """What `model.save` writes of the model's structure (None if it cannot say)."""
+    try:
+        return keras.saving.serialize_keras_object(model)
+    except Exception:  # a model without a config: nothing to compare
+        return None
+
+
+def _warn_if_not_saved(model: keras.Model, before: Any, changes: list[PolicyChange]) -> None:
+    """Warns when the model's config does not record the change: a saved and loaded model
+    (a KerasHub task, whose config holds its constructor's arguments only) computes those
+    outputs in float16/bfloat16 again."""
+    if before is None or _saved_config(model) != before:
+        return
+    names = ", ".join(repr(change.layer) for change in changes)
+    warnings.warn(
+        f"float32_outputs changed {names} of model {model.name!r}, but the model's config does "
+        "not record layer dtypes (its class rebuilds its layers from its own arguments): a "
+        "model saved and loaded again computes them in the policy's dtype again. Call "
+        "tfmixprec.float32_outputs(model) again after loading, or build the model with a "
+        "float32 head if its class takes one (KerasHub's image classifiers: "
+        "head_dtype='float32').",
+        UserWarning,
+        stacklevel=3,
+    )
