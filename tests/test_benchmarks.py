@@ -102,3 +102,16 @@ def test_multi_worker_smoke():
     assert "round 0: 2 workers' weights bit-identical: True;" in out
     # The tolerance follows from the compute dtype and the steps (multi_worker.tolerance).
     assert re.search(r"after 2 steps: mwms-2 \S+ \(allclose rtol \S+, atol \S+: True\)", out), out
+
+
+def test_softmax_precision_smoke():
+    out = _run("softmax_precision.py", "--quick")
+    assert "| float16 | 64 | 4 | " in out and "| bfloat16 | 64 | 4 | " in out
+    assert "| mixed_float16 | float32 (Softmax dtype='float32') | " in out
+
+
+def test_zoo_smoke():
+    out = _run("zoo.py", "--quick", "--models", "gpt2", "--stacks", "float32", "f16 tfmixprec")
+    assert "| gpt2 | float32 | " in out and " | 1.00x | " in out
+    row = r"\| gpt2 \| f16 tfmixprec \| [\d.]+ \| [\d.]+x \| \d+ \| \d\.\de-\d\d \|"
+    assert re.search(row, out), out

@@ -1,0 +1,203 @@
+"""Step time, peak memory and loss parity per policy on real architectures (`tfmixprec.zoo`).
+
+For each zoo model at the `"bench"` size (KerasHub's GPT-2 with 4 layers, hidden 256, 4 heads,
+vocabulary 8192, sequence 128, batch 16; Llama, Gemma, Mistral, BERT and ViT at the same
+width; a ResNet-18 and keras.applications' MobileNetV3Small on 64x64 images), five stacks,
+each compiled with `"adam"` the Keras way:
+
+- `float32`: the reference;
+- `bf16 keras` / `f16 keras`: plain Keras under `mixed_bfloat16` / `mixed_float16` (Keras wraps
+  the float16 optimizer in its own `LossScaleOptimizer`);
+- `bf16 tfmixprec` / `f16 tfmixprec`: the same model trained with tfmixprec's callbacks
+  (`LossScaleMonitor`, `OverflowGuard`: Keras's optimizer adopted), and for float16 on a
+  machine without a GPU its CPU route (`tfmixprec.cpu_float16`: the remapper off, Dense /
+  EinsumDense / convolution products in float32).
+
+Every (model, stack) runs in its own process (the remapper switch and the peak memory are
+process-wide), in an order that alternates from model to model. A process builds the model
+from the zoo's seed, trains `--parity-steps` steps on the same data as every other stack
+(their per-step losses: the parity, as the largest relative distance from float32's), warms
+up, then times `--runs` fits of `--steps` steps (`tfmixprec.bench.StepTimer`: from the end of
+the first batch to the end of the last; the median is the figure). Peak memory is the
+process's peak resident set (`ru_maxrss`), TensorFlow's runtime included.
+
+    python benchmarks/zoo.py                         # about 30 minutes on 2 cores
+    python benchmarks/zoo.py --models gpt2 resnet    # some of them
+    python benchmarks/zoo.py --quick                 # tiny models, for the tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MODELS = ("gpt2", "llama", "gemma", "mistral", "bert", "vit", "resnet", "mobilenet")
+STACKS = ("float32", "bf16 keras", "bf16 tfmixprec", "f16 keras", "f16 tfmixprec")
+POLICY = {"float32": "float32", "bf16": "mixed_bfloat16", "f16": "mixed_float16"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--stacks", nargs="+", choices=STACKS, default=list(STACKS))
+    parser.add_argument("--size", choices=("tiny", "bench"), default="bench")
+    parser.add_argument("--steps", type=int, default=8, help="steps per timed fit")
+    parser.add_argument("--runs", type=int, default=3, help="timed fits per process")
+    parser.add_argument("--parity-steps", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
+    parser.add_argument("--quick", action="store_true", help="tiny models, for the tests")
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "STACK"), help=argparse.SUPPRESS)
+    parser.add_argument("--record", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size, args.steps, args.runs, args.parity_steps = "tiny", 2, 1, 2
+    return args
+
+
+# ------------------------------------------------------------------ in a worker process
+def _dataset(x, y, weights, batch: int):
+    import tensorflow as tf
+
+    data = (x, y) if weights is None else (x, y, weights)
+    return tf.data.Dataset.from_tensor_slices(data).batch(batch).repeat()
+
+
+def _step_losses():
+    """A callback keeping every step's loss (Keras logs the epoch's running mean)."""
+    import keras
+
+    class StepLosses(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.losses, self._previous = [], 0.0
+
+        def on_train_batch_end(self, batch, logs=None):
+            mean = float(logs["loss"])
+            self.losses.append((batch + 1) * mean - batch * self._previous)
+            self._previous = mean
+
+    return StepLosses()
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    import contextlib
+    import io
+    import resource
+
+    import keras
+
+    import tfmixprec
+    from tfmixprec import bench, zoo
+
+    name, stack = args.worker
+    dtype, _, through = stack.partition(" ")
+    with tfmixprec.policy_scope(POLICY[dtype]):
+        entry = zoo.build(name, size=args.size)
+        entry.model.compile(optimizer="adam", loss=entry.loss)
+    model, callbacks = entry.model, []
+    if through == "tfmixprec":
+        callbacks = [tfmixprec.LossScaleMonitor(), tfmixprec.OverflowGuard(verbose=0)]
+        if dtype == "f16":
+            tfmixprec.cpu_float16.route_around_fused_matmul("mixed_float16")
+            tfmixprec.cpu_float16.fast_float16_layers(model)
+    x, y, weights = entry.data(args.parity_steps + 1)
+    record = _step_losses()
+    keras.utils.set_random_seed(1)  # the same dropout masks in every stack
+    with contextlib.redirect_stdout(io.StringIO()):  # the callbacks' one-line notes
+        model.fit(
+            _dataset(x, y, weights, entry.batch_size),
+            epochs=1,
+            steps_per_epoch=args.parity_steps,
+            verbose=0,
+            callbacks=[*callbacks, record],
+        )
+        dataset = _dataset(x, y, weights, entry.batch_size)
+        bench.time_fit(model, dataset, args.steps, callbacks)  # warm up
+        times = [
+            bench.time_fit(model, dataset, args.steps, callbacks).per_step
+            for _ in range(args.runs)
+        ]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    state = model.optimizer.read_state() if hasattr(model.optimizer, "read_state") else {}
+    with open(args.record, "w") as f:
+        json.dump(
+            {
+                "step_s": statistics.median(times),
+                "peak_mib": peak,
+                "losses": record.losses,
+                "overflow_steps": state.get("overflow_steps", 0),
+            },
+            f,
+        )
+
+
+# ------------------------------------------------------------------ the driver
+def launch(args: argparse.Namespace, name: str, stack: str, folder: str) -> dict:
+    record = os.path.join(folder, f"{name}-{stack.replace(' ', '-')}.json")
+    command = [sys.executable, os.path.abspath(__file__), "--worker", name, stack]
+    command += ["--record", record, "--size", args.size, "--steps", str(args.steps)]
+    command += ["--runs", str(args.runs), "--parity-steps", str(args.parity_steps)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode:
+        raise RuntimeError(f"{name} / {stack} failed:\n{done.stderr[-3000:]}")
+    with open(record) as f:
+        return json.load(f)
+
+
+def parity(losses: list[float], reference: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+def table(args: argparse.Namespace, results: dict) -> list[str]:
+    lines = [
+        "| model | stack | ms/step | vs float32 | peak MiB | loss parity (max rel. dist.) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in args.models:
+        base = results[name].get("float32")
+        for stack in args.stacks:
+            r = results[name][stack]
+            ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
+            close = f"{parity(r['losses'], base['losses']):.1e}" if base else "-"
+            skipped = f" ({r['overflow_steps']} skipped)" if r["overflow_steps"] else ""
+            lines.append(
+                f"| {name} | {stack} | {1000 * r['step_s']:.1f} | {ratio} | "
+                f"{r['peak_mib']:.0f} | {close}{skipped} |"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        worker_main(args)
+        return {}
+    import keras
+    import tensorflow as tf
+
+    from tfmixprec import bench
+
+    machine = bench.describe_machine()
+    print(
+        f"machine: {machine['cpu']} ({machine['cores']} cores), GPUs: {machine['gpus'] or 'none'}; "
+        f"TensorFlow {tf.__version__}, Keras {keras.__version__}; zoo size {args.size}, "
+        f"{args.runs} fits of {args.steps} steps per process, parity over {args.parity_steps} steps"
+    )
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="tfmixprec-zoo-") as folder:
+        for index, name in enumerate(args.models):
+            order = args.stacks if index % 2 == 0 else list(reversed(args.stacks))
+            results[name] = {stack: launch(args, name, stack, folder) for stack in order}
+            print(f"{name}: done", flush=True)
+    print("\n".join(["", *table(args, results)]))
+    return results
+
+
+if __name__ == "__main__":
+    main()
