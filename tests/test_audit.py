@@ -505,3 +505,19 @@ def test_a_file_naming_outside_code_is_refused(tmp_path):
         r"'d' \(Payload\) is class 'Payload' from module 'evil.layers'",
     ):
         tfmixprec.audit(tmp_path / "evil.keras")
+
+
+def test_a_model_that_cannot_take_zeros_is_read_from_its_graph():
+    """Calling it on a batch of zeros (unknown sizes 2) fails: its outputs' dtypes are the
+    symbolic ones, and the audit says so."""
+    tfmixprec.set_policy("mixed_float16")
+    inputs = keras.Input((None,))
+    grouped = keras.layers.Reshape((-1, 8))(inputs)  # 2 values cannot make rows of 8
+    model = keras.Model(inputs, keras.layers.Dense(8, name="out")(grouped))
+    report = tfmixprec.audit(model, hardware=A100)
+    assert _codes(report) == [
+        ("error", "low-precision-output", "out"),
+        ("info", "unobserved", None),
+        ("info", "not-compiled", None),
+    ]
+    assert report.findings[1].message.startswith("calling the model on a batch of zeros failed")

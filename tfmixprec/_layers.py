@@ -100,14 +100,14 @@ class Observation:
         outputs: Tuple of `ModelOutput`, in the order of the model's outputs.
         calls: Tuple of `LayerCall`, in the order the leaf calls ended (empty when the call
             could not run and the outputs were read from the functional graph instead).
-        observed: Bool. True when the call ran; False for that fallback (a functional model
-            whose inputs of zeros it cannot take, e.g. sizes it checks): the outputs' dtypes
-            are then the ones Keras inferred symbolically.
+        error: String or None. None when the call ran; else why it failed (a functional
+            model that cannot take inputs of zeros, e.g. sizes it checks), and the outputs'
+            dtypes are the ones Keras inferred symbolically.
     """
 
     outputs: tuple[ModelOutput, ...]
     calls: tuple[LayerCall, ...]
-    observed: bool
+    error: str | None = None
 
     def calls_of(self, layer: Any) -> list[LayerCall]:
         return [call for call in self.calls if call.layer is layer]
@@ -132,7 +132,7 @@ def observe(model: keras.Model) -> Observation:
     says its compute dtype where its `call` returns float32, as Keras's
     `ReversibleEmbedding` does for KerasHub's GPT-2, Llama and Gemma logits), so readers that
     judge dtypes read this. A functional model that cannot take the batch of zeros is read
-    from its graph instead (`observed=False`).
+    from its graph instead (`error` says why).
 
     Args:
         model: `keras.Model`. A built model.
@@ -146,8 +146,8 @@ def observe(model: keras.Model) -> Observation:
     """
     graph_outputs = _graph_outputs(model)
     recorder = _CallRecorder()
+    inputs = _zeros_like_inputs(model)
     try:
-        inputs = _zeros_like_inputs(model)
         # Keras's own warnings about a batch of zeros (a softmax over a size-1 axis, say) are
         # not the user's to see; a warnings filter set to "error" must not end the call either.
         with watch_leaf_calls(model, recorder.record), warnings.catch_warnings():
@@ -160,14 +160,14 @@ def observe(model: keras.Model) -> Observation:
                 f"zeros failed ({type(err).__name__}: {err}). Build it with "
                 "model.build(input_shape) or call it on one batch first, with inputs it accepts."
             ) from err
-        return Observation(tuple(graph_outputs), (), False)
+        return Observation(tuple(graph_outputs), (), f"{type(err).__name__}: {err}")
     outputs = []
     for index, tensor in enumerate(result):
         layer = recorder.produced.get(id(tensor), (None, None))[0]
         if layer is None and graph_outputs is not None and index < len(graph_outputs):
             layer = graph_outputs[index].layer
         outputs.append(ModelOutput(layer, _dtype_name(tensor)))
-    return Observation(tuple(outputs), tuple(recorder.calls), True)
+    return Observation(tuple(outputs), tuple(recorder.calls))
 
 
 class _CallRecorder:

@@ -378,6 +378,21 @@ def _output_outside_layers(model: keras.Model, context: _AuditContext) -> list[F
     return [Finding("error", "low-precision-output", None, message, fix)]
 
 
+def _unobserved(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    """`unobserved` (info): the model could not be called on a batch of zeros, so its outputs'
+    dtypes are the ones Keras infers symbolically (which a real call can contradict)."""
+    error = context.observation.error
+    if error is None:
+        return []
+    message = (
+        f"calling the model on a batch of zeros failed ({error[:200]}), so its outputs' dtypes "
+        "are Keras's symbolic ones, which a real call can contradict (a layer may return "
+        "float32 under a float16 policy)."
+    )
+    fix = "Check the outputs' dtypes on a real batch: model(batch).dtype."
+    return [Finding("info", "unobserved", None, message, fix)]
+
+
 def _loss_scaling(model: keras.Model, context: _AuditContext) -> list[Finding]:
     """`not-compiled` (info) or `no-loss-scaling` (error) for a model computing in float16."""
     if not any(context.compute_dtype(layer) == "float16" for layer in context.leaves):
@@ -483,6 +498,7 @@ CHECKS: tuple[tuple[str, _Check], ...] = (
     ("layer", _tensor_core_alignment),
     ("layer", _low_precision_variable),
     ("model", _output_outside_layers),
+    ("model", _unobserved),
     ("model", _loss_scaling),  # not-compiled / no-loss-scaling
     ("model", _cpu_float16_kernels),
     ("model", _xla_bfloat16_cpu),
