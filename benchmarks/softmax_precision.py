@@ -135,28 +135,12 @@ def _gpt2(policy: str, softmax_in_float32: bool):
     return model
 
 
-def _step_losses():
-    """A callback that keeps every step's loss (Keras's `loss` log is the epoch's running
-    mean: step loss = (batch + 1) * mean - batch * previous mean)."""
-    import keras
-
-    class StepLosses(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            self.losses, self._previous = [], 0.0
-
-        def on_train_batch_end(self, batch, logs=None):
-            mean = float(logs["loss"])
-            self.losses.append((batch + 1) * mean - batch * self._previous)
-            self._previous = mean
-
-    return StepLosses()
-
-
 def _losses(policy: str, softmax_in_float32: bool, steps: int) -> list[float]:
     import keras
     import numpy as np
 
     import tfmixprec
+    from tfmixprec import bench
 
     model = _gpt2(policy, softmax_in_float32)
     optimizer = keras.optimizers.Adam(1e-3)
@@ -170,7 +154,7 @@ def _losses(policy: str, softmax_in_float32: bool, steps: int) -> list[float]:
     tokens = (1 + (start + stride * np.arange(65)) % 511).astype("int32")
     x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones_like(tokens[:, :-1])}
     keras.utils.set_random_seed(2)  # the same dropout masks in every run
-    record = _step_losses()
+    record = bench.StepLosses()
     model.fit(x, tokens[:, 1:], batch_size=8, shuffle=False, verbose=0, callbacks=[record])
     return record.losses
 

@@ -16,7 +16,8 @@ each compiled with `"adam"` the Keras way:
 Every (model, stack) runs in its own process (the remapper switch and the peak memory are
 process-wide), in an order that alternates from model to model. A process builds the model
 from the zoo's seed, trains `--parity-steps` steps on the same data as every other stack
-(their per-step losses: the parity, as the largest relative distance from float32's), warms
+(their per-step losses: the parity, the largest distance from float32's, relative to
+float32's first loss; steps a loss scale skipped are counted), warms
 up, then times `--runs` fits of `--steps` steps (`tfmixprec.bench.StepTimer`: from the end of
 the first batch to the end of the last; the median is the figure). Peak memory is the
 process's peak resident set (`ru_maxrss`), TensorFlow's runtime included.
@@ -69,22 +70,6 @@ def _dataset(x, y, weights, batch: int):
     return tf.data.Dataset.from_tensor_slices(data).batch(batch).repeat()
 
 
-def _step_losses():
-    """A callback keeping every step's loss (Keras logs the epoch's running mean)."""
-    import keras
-
-    class StepLosses(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            self.losses, self._previous = [], 0.0
-
-        def on_train_batch_end(self, batch, logs=None):
-            mean = float(logs["loss"])
-            self.losses.append((batch + 1) * mean - batch * self._previous)
-            self._previous = mean
-
-    return StepLosses()
-
-
 def worker_main(args: argparse.Namespace) -> None:
     import contextlib
     import io
@@ -107,7 +92,7 @@ def worker_main(args: argparse.Namespace) -> None:
             tfmixprec.cpu_float16.route_around_fused_matmul("mixed_float16")
             tfmixprec.cpu_float16.fast_float16_layers(model)
     x, y, weights = entry.data(args.parity_steps + 1)
-    record = _step_losses()
+    record = bench.StepLosses()
     keras.utils.set_random_seed(1)  # the same dropout masks in every stack
     with contextlib.redirect_stdout(io.StringIO()):  # the callbacks' one-line notes
         model.fit(
@@ -117,6 +102,8 @@ def worker_main(args: argparse.Namespace) -> None:
             verbose=0,
             callbacks=[*callbacks, record],
         )
+        # Applied steps count in `iterations` (Keras's and tfmixprec's optimizers alike).
+        skipped = args.parity_steps - int(model.optimizer.iterations.numpy())
         dataset = _dataset(x, y, weights, entry.batch_size)
         bench.time_fit(model, dataset, args.steps, callbacks)  # warm up
         times = [
@@ -124,14 +111,13 @@ def worker_main(args: argparse.Namespace) -> None:
             for _ in range(args.runs)
         ]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    state = model.optimizer.read_state() if hasattr(model.optimizer, "read_state") else {}
     with open(args.record, "w") as f:
         json.dump(
             {
                 "step_s": statistics.median(times),
                 "peak_mib": peak,
                 "losses": record.losses,
-                "overflow_steps": state.get("overflow_steps", 0),
+                "skipped": skipped,
             },
             f,
         )
@@ -151,12 +137,15 @@ def launch(args: argparse.Namespace, name: str, stack: str, folder: str) -> dict
 
 
 def parity(losses: list[float], reference: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    """The largest distance of a step's loss from float32's, relative to float32's first loss
+    (the loss's own scale: a loss that nears 0 would make a step-by-step ratio explode)."""
+    return max(abs(a - b) for a, b in zip(losses, reference)) / abs(reference[0])
 
 
 def table(args: argparse.Namespace, results: dict) -> list[str]:
     lines = [
-        "| model | stack | ms/step | vs float32 | peak MiB | loss parity (max rel. dist.) |",
+        "| model | stack | ms/step | vs float32 | peak MiB | loss parity (largest distance from "
+        "float32's / its first loss) |",
         "|---|---|---|---|---|---|",
     ]
     for name in args.models:
@@ -165,7 +154,7 @@ def table(args: argparse.Namespace, results: dict) -> list[str]:
             r = results[name][stack]
             ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
             close = f"{parity(r['losses'], base['losses']):.1e}" if base else "-"
-            skipped = f" ({r['overflow_steps']} skipped)" if r["overflow_steps"] else ""
+            skipped = f" ({r['skipped']} of them skipped)" if r["skipped"] else ""
             lines.append(
                 f"| {name} | {stack} | {1000 * r['step_s']:.1f} | {ratio} | "
                 f"{r['peak_mib']:.0f} | {close}{skipped} |"

@@ -21,7 +21,7 @@ import keras
 import numpy as np
 
 import tfmixprec
-from tfmixprec import cli, zoo
+from tfmixprec import bench, cli, zoo
 
 STEPS = 3  # training steps of every run (the parity compares each of them)
 
@@ -70,25 +70,13 @@ class ZooRun:
         return keras.DTypePolicy(self.policy).compute_dtype
 
 
-class _StepLosses(keras.callbacks.Callback):
-    """Every step's loss (Keras's `loss` log is the epoch's running mean)."""
-
-    def on_train_begin(self, logs=None):
-        self.losses, self._previous = [], 0.0
-
-    def on_train_batch_end(self, batch, logs=None):
-        mean = float(logs["loss"])
-        self.losses.append((batch + 1) * mean - batch * self._previous)
-        self._previous = mean
-
-
 def train_losses(name: str, policy: str) -> list[float]:
     """The per-step losses of `STEPS` steps of `fit` (Adam) from the zoo's seed."""
     with tfmixprec.policy_scope(policy):
         entry = zoo.build(name)
         entry.model.compile(optimizer="adam", loss=entry.loss)
     x, y, weights = entry.data(STEPS)
-    record = _StepLosses()
+    record = bench.StepLosses()
     keras.utils.set_random_seed(1)  # the same dropout masks under every policy
     entry.model.fit(
         x,
@@ -121,7 +109,7 @@ def run(name: str, policy: str, folder: Path) -> ZooRun:
     guard = tfmixprec.OverflowGuard(patience=50, max_consecutive=50)
     board = tfmixprec.TensorBoard(str(folder / "logs"), update_freq=1, diagnose=1)
     ranges = tfmixprec.GradientRangeMonitor(batch, update_freq=2)
-    record = _StepLosses()
+    record = bench.StepLosses()
     printed = io.StringIO()
     keras.utils.set_random_seed(1)  # the same dropout masks as `train_losses`
     with redirect_stdout(printed):

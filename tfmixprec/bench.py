@@ -131,6 +131,20 @@ class StepTimer(keras.callbacks.Callback):
         return self.seconds / (self.steps - 1)
 
 
+class StepLosses(keras.callbacks.Callback):
+    """Keeps every step's loss in `losses` (Keras logs the epoch's running mean; a step's loss
+    is `(batch + 1) * mean - batch * previous mean`), for comparing policies step by step."""
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.losses: list[float] = []
+        self._previous = 0.0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        mean = float((logs or {})["loss"])
+        self.losses.append((batch + 1) * mean - batch * self._previous)
+        self._previous = mean
+
+
 def time_fit(
     model: keras.Model,
     dataset: tf.data.Dataset,
