@@ -139,6 +139,26 @@ def test_guard_patience_at_min_scale():
     assert model.optimizer.read_state()["min_scale_overflows"] == 3
 
 
+def test_guard_restores_the_weights_of_the_last_clean_step():
+    """One skipped batch (1) keeps the epoch's running-mean loss infinite for the rest of the
+    epoch; the guard still restores the weights after the last applied step (13), not those
+    from before the skip."""
+    model = _model()
+    x, y = _data(bad_batches=[1, *range(14, 20)], batches=20, value=np.nan)
+    guard = OverflowGuard(max_consecutive=3, restore_weights=True, verbose=0)
+    seen = {}
+
+    class Snapshot(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen[batch] = self.model.get_weights()
+
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[Snapshot(), guard])
+    assert guard.stopped_step == 17  # steps attempted: 0-16, the skipped ones counted
+    for a, b in zip(seen[13], model.get_weights()):
+        assert a.tobytes() == b.tobytes()
+    assert any((a != b).any() for a, b in zip(seen[0], model.get_weights()))
+
+
 def test_guard_raise_and_restore():
     model = _model()
     x, y = _data(bad_batches=range(2, 8))
@@ -167,7 +187,7 @@ def test_guard_raise_and_restore():
         )
     for a, b in zip(seen["weights"], model.get_weights()):
         np.testing.assert_array_equal(a, b)
-    assert "The last weights with a finite loss were restored." in guard.stop_message
+    assert "The weights after the last clean step were restored." in guard.stop_message
 
 
 @pytest.mark.parametrize("update_freq, stopped_step", [(1, 2), (4, 4), (3, 3)])

@@ -370,8 +370,11 @@ class OverflowGuard(keras.callbacks.Callback):
         patience: Int. Overflow steps at `min_scale` (since the scale last grew) before
             stopping.
         max_consecutive: Int. Consecutive overflow steps before stopping.
-        restore_weights: Bool. On stopping, restore the last weights seen after an applied step
-            with a finite loss (copied to the host at every check; costs memory and time).
+        restore_weights: Bool. On stopping, restore the weights after the last clean step seen
+            at a check (with loss scaling: an applied step, whatever the epoch's running-mean
+            loss says; without: a step while the loss is finite). Copied to the host at every
+            check whose step was clean (every step with `update_freq=1`; costs memory and
+            time).
         raise_error: Bool. Raise `FloatingPointError` with the message instead of only stopping.
         update_freq: Int. Batches (steps) between checks (each check reads the state once).
         verbose: Int. 1 prints the stop message.
@@ -445,11 +448,11 @@ class OverflowGuard(keras.callbacks.Callback):
         state = opt.read_state() if opt is not None else None
         loss = logs.get("loss")
         finite_loss = loss is None or math.isfinite(float(loss))
-        if (
-            self.restore_weights
-            and finite_loss
-            and (not state or not state["consecutive_overflows"])
-        ):
+        # The step just taken was clean: with loss scaling, the optimizer applied it (the
+        # epoch's running-mean loss stays non-finite after one skipped batch, so it cannot
+        # say); without, its loss (the running mean) is still finite, or nothing was applied.
+        clean = not state["consecutive_overflows"] if state is not None else finite_loss
+        if self.restore_weights and clean:
             self._good_weights = self.model.get_weights()
         if opt is None:  # no loss scaling: a non-finite step was applied, as TerminateOnNaN
             if not finite_loss:
@@ -478,7 +481,7 @@ class OverflowGuard(keras.callbacks.Callback):
         restored = ""
         if self.restore_weights and self._good_weights is not None:
             self.model.set_weights(self._good_weights)
-            restored = " The last weights with a finite loss were restored."
+            restored = " The weights after the last clean step were restored."
         self.stop_message = (
             f"OverflowGuard stopped training at step {step}: {reason}. "
             + ("This is not a loss scale finding its level: likely" if scaled else "Likely")
