@@ -2,13 +2,15 @@
 
 import importlib
 import json
+import threading
 import zipfile
 
 import keras
+import numpy as np
 import pytest
 
 import tfmixprec
-from tfmixprec._layers import observe
+from tfmixprec._observe import observe
 from tfmixprec.hardware import GPUInfo, HardwareInfo
 
 # The model's own findings, the same on any machine; the machine's are tested on their own.
@@ -162,10 +164,14 @@ def test_conv_embedding_attention_alignment():
         # An image's first convolution at stride 2: NVIDIA's guide asks for 4 channels.
         ("strided", "Pad input channels (a first convolution's, at stride >= 2) to 4."),
         ("mha", "Pad head size (key_dim) to 16."),
+        # The attention's projections read (and write) the embedding's width, 50.
+        ("query", "Pad input features (equation dimension 'c') to 56."),
+        ("key", "Pad input features (equation dimension 'c') to 56."),
+        ("value", "Pad input features (equation dimension 'c') to 56."),
+        ("attention_output", "Pad output size (equation dimension 'e') to 56."),
     }
     # bfloat16 needs no loss scaling and the output is float32. The embedding lookup is a
-    # gather (no matmul sizes); the attention's inner EinsumDense layers are not reported
-    # again (the attention layer says it).
+    # gather: no matmul sizes.
     assert report.errors == []
 
 
@@ -521,3 +527,106 @@ def test_a_model_that_cannot_take_zeros_is_read_from_its_graph():
         ("info", "not-compiled", None),
     ]
     assert report.findings[1].message.startswith("calling the model on a batch of zeros failed")
+
+
+def test_audits_in_two_threads_leave_the_model_as_it_was():
+    """One observing call (and one policy swap) at a time: a second thread would otherwise
+    save the first one's watcher or swapped policy as the layer's own and put it back."""
+
+
+    tfmixprec.set_policy("mixed_float16")
+    inputs = keras.Input((16,))
+    hidden = inputs
+    for k in range(4):
+        hidden = keras.layers.Dense(16, name=f"d{k}")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax", name="out")(hidden))
+    layers = [model, *model._flatten_layers(include_self=False, recursive=True)]
+    policies = [layer.dtype_policy for layer in layers]
+    barrier, errors = threading.Barrier(2), []
+
+    def work(**kwargs):
+        try:
+            barrier.wait()
+            for _ in range(10):
+                tfmixprec.audit(model, hardware=A100, **kwargs)
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(repr(err))
+
+    threads = [
+        threading.Thread(target=work),
+        threading.Thread(target=work, kwargs={"policy": "mixed_bfloat16"}),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert [layer.name for layer in layers if "call" in vars(layer)] == []
+    assert all(layer.dtype_policy is own for layer, own in zip(layers, policies))
+
+
+def test_audit_puts_the_model_state_back():
+    """The observing call on zeros runs a stateful LSTM and add_loss layers: their states and
+    losses are as they were afterwards."""
+    tfmixprec.set_policy("mixed_float16")
+    inputs = keras.Input(batch_shape=(2, 3, 4))
+    lstm = keras.layers.LSTM(5, stateful=True, name="lstm")
+    regularized = keras.layers.ActivityRegularization(l1=1.0)(lstm(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, dtype="float32")(regularized))
+    model(np.ones((2, 3, 4), "float32"))  # state carried from a first chunk
+    states, losses = [s.numpy().copy() for s in lstm.states], [float(x) for x in model.losses]
+    tfmixprec.audit(model, hardware=A100)
+    tfmixprec.float32_outputs(model)
+    assert all((a == s.numpy()).all() for a, s in zip(states, lstm.states))
+    assert [float(x) for x in model.losses] == losses
+
+
+def test_lowered_sizes_of_attention_projections_and_grouped_convolutions():
+    tfmixprec.set_policy("mixed_float16")
+    tokens = keras.Input((5, 36))
+    attended = keras.layers.MultiHeadAttention(4, 8, output_shape=32, name="mha")(tokens, tokens)
+    image = keras.Input((8, 8, 16))
+    grouped = keras.layers.Conv2D(16, 3, groups=4, name="grouped")(image)
+    deep = keras.layers.Conv2D(8, 3, strides=2, name="deep")(keras.layers.Conv2D(4, 1)(image))
+    flat = keras.layers.Concatenate()(
+        [keras.layers.Flatten()(t) for t in (attended, grouped, deep)]
+    )
+    model = keras.Model([tokens, image], keras.layers.Dense(8, dtype="float32")(flat))
+    fixes = {(f.layer, f.fix) for f in tfmixprec.audit(model, hardware=A100).warnings}
+    # The projections read width 36 (K); each group of the grouped convolution has 4
+    # channels in and 4 out; a stride-2 convolution inside the network wants 8 channels.
+    for name in ("query", "key", "value"):
+        assert (name, "Pad input features (equation dimension 'c') to 40.") in fixes
+    assert ("grouped", "Pad filters per group to 8.") in fixes
+    assert ("grouped", "Pad input channels per group to 8.") in fixes
+    assert ("deep", "Pad input channels to 8.") in fixes
+
+
+def test_a_hypothetical_policy_where_the_model_cannot_take_zeros():
+    """The symbolic fallback judges the outputs of layers that follow the audited policy."""
+    inputs = keras.Input((None,))
+    grouped = keras.layers.Reshape((-1, 8))(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(8, name="out")(grouped))  # float32
+    report = tfmixprec.audit(model, policy="mixed_float16")
+    assert _codes(report)[:2] == [
+        ("error", "low-precision-output", "out"),
+        ("info", "unobserved", None),
+    ]
+
+
+def test_an_unbuilt_sublayer_and_auto_under_given_hardware():
+    class Spare(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.used = keras.layers.Dense(8, dtype="float32")
+            self.unused = keras.layers.Dense(8)  # never called: never built
+
+        def call(self, x):
+            return self.used(x)
+
+    tfmixprec.set_policy("mixed_float16")
+    model = Spare()
+    model(keras.ops.zeros((2, 4)))
+    assert tfmixprec.audit(model, hardware=A100).errors == []
+    v100 = HardwareInfo(gpus=(GPUInfo("Tesla V100", (7, 0)),))
+    assert tfmixprec.audit(model, policy="auto", hardware=v100).policy == "mixed_float16"

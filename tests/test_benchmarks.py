@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -116,3 +118,30 @@ def test_zoo_smoke():
     row = r"\| gpt2 \| f16 tfmixprec \| [\d.]+ \| [\d.]+x \| \d+ \| \d\.\de[-+]\d\d"
     row += r"( \(\d+ of them skipped\))? \|"
     assert re.search(row, out), out
+
+
+def test_step_losses_needs_one_call_per_step():
+    """tfmixprec.bench.StepLosses: each step's loss from Keras's running mean, exact for equal
+    batches; with several steps per execution it cannot be, and says so."""
+    import keras
+    import numpy as np
+
+    from tfmixprec import bench
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.arange(16.0, dtype="float32").reshape(8, 2) / 16, np.ones((8, 1), "float32")
+    truth = []
+
+    class Truth(keras.callbacks.Callback):  # each step's loss, at the weights it starts from
+        def on_train_batch_begin(self, batch, logs=None):
+            rows = slice(2 * batch, 2 * batch + 2)
+            truth.append(float(np.mean((model(x[rows]).numpy() - y[rows]) ** 2)))
+
+    record = bench.StepLosses()
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[Truth(), record])
+    np.testing.assert_allclose(record.losses, truth, rtol=1e-5)
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+    with pytest.raises(ValueError, match=r"steps_per_execution=1.*Received: batch 1 after 0"):
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[bench.StepLosses()])

@@ -400,3 +400,60 @@ def test_diagnose_where_batches_cannot_be_kept_warns_and_trains(case):
     with pytest.warns(RuntimeWarning, match="diagnose= is off for this fit"):
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor])
     assert monitor.diagnoses == [] and model.optimizer.read_state()["overflow_steps"] >= 1
+
+
+def _plain_bad_run_model():
+    """`_bad_run_model`'s layers in a plain keras.Model with a tfmixprec optimizer."""
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, name="big")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(1, name="out", dtype="float32")(hidden))
+        optimizer = tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0)
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    return model
+
+
+def test_diagnose_after_a_fit_that_raised_on_a_plain_model():
+    """Keras skips on_train_end when fit raises: the next fit's callbacks replace the keeper
+    the failed fit left (full), instead of reusing it."""
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("stop here")
+
+    model = _plain_bad_run_model()
+    _, x, y = _bad_run_model()
+    fit = dict(batch_size=8, shuffle=False, verbose=0)
+    with pytest.raises(RuntimeError, match="stop here"):
+        model.fit(x, y, **fit, callbacks=[tfmixprec.LossScaleMonitor(diagnose=1), Stop()])
+    clean = x.copy()
+    clean[9, 0] = 0.0  # only batch 3 (a NaN) overflows now
+    monitor = tfmixprec.LossScaleMonitor(diagnose=1)
+    model.fit(clean, y, **fit, callbacks=[monitor])
+    assert [(step, d.cause) for step, d in monitor.diagnoses] == [(5, "bad-data")]
+    assert "train_step" not in vars(model)
+
+
+def test_diagnose_keeps_a_train_step_set_on_the_instance():
+    model = _plain_bad_run_model()
+    base = type(model).train_step
+
+    def own_step(data):
+        logs = base(model, data)
+        logs["own"] = keras.ops.convert_to_tensor(1.0)
+        return logs
+
+    model.train_step = own_step
+    _, x, y = _bad_run_model()
+    history = model.fit(
+        x,
+        y,
+        batch_size=8,
+        shuffle=False,
+        verbose=0,
+        callbacks=[tfmixprec.LossScaleMonitor(diagnose=1)],
+    )
+    assert "own" in history.history  # the user's step ran, wrapped
+    assert vars(model)["train_step"] is own_step  # and is back after the fit

@@ -280,3 +280,69 @@ def test_this_machine_is_detected_for_the_warning(warn_again):
         tfmixprec.set_policy("mixed_float16")
     warned = [w for w in caught if "mixed_float16 without a GPU" in str(w.message)]
     assert len(warned) == (0 if hardware.gpus or hardware.tpus else 1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.layers.Reshape((6,)),
+        lambda: keras.layers.Flatten(),
+        lambda: keras.layers.Dropout(0.2),
+        lambda: keras.layers.Activation("linear"),
+        lambda: keras.layers.Identity(),
+    ],
+    ids=["Reshape", "Flatten", "Dropout", "Activation", "Identity"],
+)
+def test_float32_outputs_reaches_the_softmax_behind_a_pass_through_layer(make):
+    """The loss sees the softmax through a layer that only moves values: both compute in
+    float32 after the change (a float32 reshape alone would take float16 probabilities)."""
+    tfmixprec.set_policy("mixed_float16")
+    carrier = make()
+    inputs = keras.Input((8,))
+    probs = keras.layers.Dense(6, activation="softmax", name="probs")(inputs)
+    model = keras.Model(inputs, carrier(probs))
+    (error,) = tfmixprec.audit(model).errors
+    assert (error.code, error.layer) == ("low-precision-softmax", "probs")
+    assert f"produces a model output (through {carrier.name!r})" in error.message
+    changes = tfmixprec.float32_outputs(model)
+    assert [c.layer for c in changes] == ["probs", carrier.name]
+    assert model(np.zeros((2, 8), "float32")).dtype == "float32"
+    assert tfmixprec.audit(model).errors == [] and tfmixprec.float32_outputs(model) == []
+
+
+def test_float32_outputs_of_a_layer_of_layers_and_a_nested_subclassed_model():
+    class Head(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.proj = keras.layers.Dense(4, activation="softmax", name="proj")
+
+        def call(self, x):
+            return self.proj(x)
+
+    class Block(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(4, name="inner")
+
+        def call(self, x):
+            return self.dense(x)
+
+    tfmixprec.set_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, [Head(name="head")(inputs), Block()(inputs)])
+    changed = [c.layer for c in tfmixprec.float32_outputs(model)]
+    assert changed == ["proj", "head", "inner"]  # the computing layers, and what passes them on
+    assert [t.dtype for t in model(np.zeros((2, 8), "float32"))] == ["float32", "float32"]
+
+
+def test_float32_outputs_of_an_identity_on_the_inputs():
+    """A pass-through layer that returns the model's input itself (an identity, a dropout in
+    inference mode) made the output: it is the layer that sets the output's dtype."""
+    tfmixprec.set_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Identity(name="same")(inputs))
+    assert [c.layer for c in tfmixprec.float32_outputs(model)] == ["same"]
+    assert model(np.zeros((2, 8), "float32")).dtype == "float32"
+    tfmixprec.set_policy("float32")  # no cast: the layer returns its input tensor itself
+    model = keras.Model(inputs := keras.Input((8,)), keras.layers.Identity()(inputs))
+    assert tfmixprec.float32_outputs(model) == []

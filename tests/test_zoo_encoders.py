@@ -66,6 +66,8 @@ def test_zoo_bad_input(monkeypatch):
         zoo.build("gpt3")
     with pytest.raises(ValueError, match=r"Valid sizes: tiny, bench. Received: 'huge'"):
         zoo.build("gpt2", size="huge")
+    with pytest.raises(ValueError, match=r"Received: \['gpt2'\]"):
+        zoo.build(["gpt2"])
     monkeypatch.setitem(sys.modules, "keras_hub", None)  # as if keras-hub were not installed
     with pytest.raises(ImportError, match=r"'bert' is a KerasHub model: pip install keras-hub"):
         zoo.build("bert")

@@ -35,12 +35,14 @@ __all__ = [
     "across_workers",
     "all_sublayers",
     "build_shapes",
+    "call_losses",
     "built_variables",
     "functional_init_arguments",
     "no_automatic_dependency_tracking",
     "producing_layer",
     "producing_output_index",
     "replace_train_step",
+    "set_call_losses",
     "set_compiled_optimizer",
     "tensorboard_batch_work",
     "tensorboard_step",
@@ -341,7 +343,32 @@ def replace_train_step(model: Any, make_step: Any) -> None:
     the class's method for this model alone: its class, saved config and other models are
     untouched. The caller retraces (`make_train_function(force=True)`).
     """
-    vars(model).pop("train_step", None)  # the class's method again (no Keras tracking to undo)
+    current = vars(model).get("train_step")
+    # A step the user set on the instance is kept: wrapped, and given back at the end.
+    own = getattr(current, _REPLACED, current)
+    if own is None:
+        vars(model).pop("train_step", None)  # the class's method (no Keras tracking to undo)
+    else:
+        model.train_step = own
     if make_step is not None:
-        model.train_step = make_step(model.train_step)
+        step = make_step(model.train_step)
+        setattr(step, _REPLACED, own)
+        model.train_step = step
+
+
+_REPLACED = "_tfmixprec_replaced_step"  # on a wrapped step: the instance step it wraps, or None
+
+
+# Why: an inference call of a model replaces the losses its layers added with `add_loss` (Keras
+# keeps them in the private `_losses`, read by `model.losses`); tfmixprec's observing call puts
+# them back as they were.
+def call_losses(layer: Any) -> list[Any]:
+    """The losses `layer` added in its last call (`add_loss`)."""
+    return list(getattr(layer, "_losses", []))
+
+
+def set_call_losses(layer: Any, losses: list[Any]) -> None:
+    """Puts back what `call_losses` returned."""
+    if hasattr(layer, "_losses"):
+        layer._losses[:] = losses
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -12,8 +13,9 @@ from typing import Any
 import keras
 
 from tfmixprec import cpu_float16
-from tfmixprec._layers import Observation, check_built_model, is_container, iter_layers, observe
+from tfmixprec._layers import check_built_model, is_container, iter_layers
 from tfmixprec._model_file import load_model_file
+from tfmixprec._observe import Observation, observe, policies_swapped
 from tfmixprec._text import markdown_table
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 from tfmixprec.policy import LOW_PRECISION, _check_policy_name, choose_policy, float32_reason
@@ -169,22 +171,26 @@ def _sizes_to_align(layer: Any, context: _AuditContext) -> list[tuple[str, int]]
             ("pointwise input channels", int(layer.pointwise_kernel.shape[-2])),
         ]
     if hasattr(layer, "filters") and hasattr(layer, "kernel_size") and hasattr(layer, "kernel"):
-        return [("filters", layer.filters), _conv_input_channels(layer)]
+        return _convolution_sizes(layer, context)
     return []
 
 
-def _conv_input_channels(layer: Any) -> tuple[str, int]:
-    """A convolution's input channels. NVIDIA's guide: multiples of 8 for float16, except the
-    first layer of a CNN on 3-channel images, where 4 suffice with a stride of 2 or more
-    (reported against 4 there: `_padded` rounds to the size's own alignment)."""
-    kernel = layer.kernel.shape
+def _convolution_sizes(layer: Any, context: _AuditContext) -> list[tuple[str, int]]:
+    """A convolution's filters and input channels (per group, for a grouped convolution: each
+    group is a convolution of its own). NVIDIA's guide: multiples of 8 for float16, except the
+    first layer of a CNN on 3-channel images, where 4 suffice at a stride of 2 or more
+    (reported against 4 there: `_padded` rounds to the size's own alignment): a convolution
+    that reads the model's inputs, as the observed call shows."""
     transpose = "Transpose" in type(layer).__name__
-    groups = getattr(layer, "groups", 1) or 1
-    channels = int(kernel[-1]) if transpose else int(kernel[-2]) * groups
+    groups = 1 if transpose else getattr(layer, "groups", 1) or 1
+    channels = int(layer.kernel.shape[-1] if transpose else layer.kernel.shape[-2])  # per group
+    per = " per group" if groups > 1 else ""
+    filters = ("filters" + per, layer.filters // groups)
     strides = tuple(getattr(layer, "strides", (1,)) or (1,))
-    if channels <= IMAGE_CHANNELS and min(strides) >= 2 and not transpose:
-        return (IMAGE_INPUT, channels)
-    return ("input channels", channels)
+    first = any(call.takes_model_inputs for call in context.observation.calls_of(layer))
+    if first and channels <= IMAGE_CHANNELS and min(strides) >= 2 and not transpose:
+        return [filters, (IMAGE_INPUT, channels)]
+    return [filters, ("input channels" + per, channels)]
 
 
 def _reverse_projection_sizes(layer: Any, context: _AuditContext) -> list[tuple[str, int]]:
@@ -252,8 +258,6 @@ class _AuditContext:
             under another policy (no machine findings then).
         followers: Frozenset of ints. The `id()`s of the policy objects that follow the
             model's own policy (a layer built with `dtype=` has a policy object of its own).
-        in_attention: Frozenset of ints. The `id()`s of the layers inside a
-            `MultiHeadAttention` (the attention layer reports their sizes itself).
     """
 
     model_policy: str
@@ -262,7 +266,6 @@ class _AuditContext:
     observation: Observation
     hardware: HardwareInfo | None
     followers: frozenset[int] = frozenset()
-    in_attention: frozenset[int] = frozenset()
 
     @property
     def leaves(self) -> list[Any]:
@@ -285,10 +288,11 @@ class _AuditContext:
         """The compute dtype audited for `layer`."""
         return self.policy_of(layer).compute_dtype
 
-    def low_precision_outputs(self, layer: Any) -> list[str]:
-        """The float16/bfloat16 dtypes of the model outputs `layer` produced, as observed."""
+    def low_precision_outputs(self, layer: Any) -> list[Any]:
+        """The model outputs (`ModelOutput`) that `layer` computed and a real call returns in
+        float16/bfloat16."""
         return [
-            out.dtype
+            out
             for out in self.observation.outputs
             if out.layer is layer and out.dtype in LOW_PRECISION
         ]
@@ -309,23 +313,25 @@ def _low_precision_output(layer: Any, context: _AuditContext) -> list[Finding]:
     (`benchmarks/softmax_precision.py`: an attention's softmax within 2 machine epsilons of a
     float32 one, the same training loss to 4 digits).
     """
-    dtypes = context.low_precision_outputs(layer)
-    if not dtypes:
+    outputs = context.low_precision_outputs(layer)
+    if not outputs:
         return []
-    dtype, reason = dtypes[0], float32_reason(layer)
+    dtype, reason = outputs[0].dtype, float32_reason(layer)
+    through = ", ".join(repr(passing.name) for passing in outputs[0].through)
+    via = f" (through {through})" if through else ""
     if reason is not None:
         message = (
-            f"{reason} computed in {dtype} produces a model output: it saturates and loses "
-            "small probabilities, whose log the loss takes."
+            f"{reason} computed in {dtype} produces a model output{via}: it saturates and "
+            "loses small probabilities, whose log the loss takes."
         )
         return [Finding("error", "low-precision-softmax", layer.name, message, _FLOAT32_FIX)]
-    message = f"produces a model output in {dtype}; the loss should see float32."
+    message = f"produces a model output in {dtype}{via}; the loss should see float32."
     return [Finding("error", "low-precision-output", layer.name, message, _FLOAT32_FIX)]
 
 
 def _tensor_core_alignment(layer: Any, context: _AuditContext) -> list[Finding]:
     compute = context.compute_dtype(layer)
-    if compute not in LOW_PRECISION or id(layer) in context.in_attention:
+    if compute not in LOW_PRECISION or not layer.built:  # an unbuilt layer never ran
         return []
     findings = []
     for what, size in _sizes_to_align(layer, context):
@@ -511,40 +517,41 @@ def _followers(model: keras.Model, layers: Sequence[Any]) -> frozenset[int]:
 
     A layer built without `dtype=` holds the very policy object that was global when it was
     built, the model's own; one built with `dtype=` holds an object of its own. Where no layer
-    holds the model's object (a model loaded by `keras.models.load_model`: every layer gets
-    its own), layers whose policy has the model's policy's name count as following it.
+    holds the model's object, the object most layers share does (layers built in a
+    `policy_scope` and a model made after it); where none is shared (a model loaded by
+    `keras.models.load_model`: every layer gets its own), layers whose policy has the model's
+    policy's name count as following it.
     """
     own = model.dtype_policy
     if any(layer.dtype_policy is own for layer in layers):
         return frozenset([id(own)])
+    shared = collections.Counter(id(layer.dtype_policy) for layer in layers).most_common(1)
+    if shared and shared[0][1] > 1:
+        return frozenset([shared[0][0]])
     return frozenset(id(lyr.dtype_policy) for lyr in layers if lyr.dtype_policy.name == own.name)
-
-
-def _attention_inner_layers(layers: Sequence[Any]) -> frozenset[int]:
-    """The `id()`s of the layers inside each `MultiHeadAttention`."""
-    inner: set[int] = set()
-    for attention in layers:
-        if isinstance(attention, keras.layers.MultiHeadAttention):
-            inner.update(id(part) for part in iter_layers(attention))
-    return frozenset(inner)
 
 
 def _observe_as_audited(
     model: keras.Model, layers: Sequence[Any], policy: str | None, followers: frozenset[int]
 ) -> Observation:
     """`observe(model)`, with the layers that follow the model's own policy computing in
-    `policy` for the call (restored after it, also when it raises)."""
+    `policy` for the call (their own policies back after it). Where the call cannot run, the
+    outputs' symbolic dtypes are those of the model as built: the outputs of layers that
+    follow it are taken to be in `policy`'s compute dtype."""
     if policy is None:
         return observe(model)
     swapped = [layer for layer in [model, *layers] if id(layer.dtype_policy) in followers]
-    saved = [layer.dtype_policy for layer in swapped]
-    try:
-        for layer in swapped:
-            layer.dtype_policy = keras.DTypePolicy(policy)
-        return observe(model)
-    finally:
-        for layer, own in zip(swapped, saved):
-            layer.dtype_policy = own
+    with policies_swapped(swapped, policy):
+        observation = observe(model)
+    if observation.error is None:
+        return observation
+    follow = {id(layer) for layer in swapped}
+    compute = keras.DTypePolicy(policy).compute_dtype
+    outputs = tuple(
+        dataclasses.replace(out, dtype=compute) if id(out.layer) in follow else out
+        for out in observation.outputs
+    )
+    return dataclasses.replace(observation, outputs=outputs)
 
 
 def _context(
@@ -558,7 +565,7 @@ def _context(
     if policy is not None:
         policy = _check_policy_name(policy)
         if policy == "auto":
-            policy = choose_policy().name
+            policy = choose_policy(hardware).name
     check_built_model(model, "audit")
     machine = None
     if policy is None:  # the model as it is, on this machine
@@ -572,7 +579,6 @@ def _context(
         observation=_observe_as_audited(model, layers, policy, followers),
         hardware=machine,
         followers=followers,
-        in_attention=_attention_inner_layers(layers),
     )
 
 

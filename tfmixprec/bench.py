@@ -132,14 +132,24 @@ class StepTimer(keras.callbacks.Callback):
 
 
 class StepLosses(keras.callbacks.Callback):
-    """Keeps every step's loss in `losses` (Keras logs the epoch's running mean; a step's loss
-    is `(batch + 1) * mean - batch * previous mean`), for comparing policies step by step."""
+    """Keeps every step's loss in `losses`, for comparing policies step by step.
+
+    Keras logs the epoch's running mean, weighted by batch size: with batches of one size,
+    a step's loss is `(batch + 1) * mean - batch * previous mean`. So it needs equal batches
+    (the data a whole number of batches) and one step per callback call
+    (`steps_per_execution=1`, checked: it raises otherwise), in a one-epoch `fit`.
+    """
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.losses: list[float] = []
         self._previous = 0.0
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if batch != len(self.losses):
+            raise ValueError(
+                "StepLosses needs one callback call per step (steps_per_execution=1) and a "
+                f"one-epoch fit. Received: batch {batch} after {len(self.losses)} steps"
+            )
         mean = float((logs or {})["loss"])
         self.losses.append((batch + 1) * mean - batch * self._previous)
         self._previous = mean

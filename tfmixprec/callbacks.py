@@ -91,13 +91,16 @@ class _Diagnoser:
         self._keeper: Any = None
         self._first = self._done = 0
 
-    def start(self, model: Any, optimizer: LossScaleOptimizer | None) -> None:
-        """Keeps overflow batches for this `fit` in any model's step; nothing to keep without
-        a tfmixprec `LossScaleOptimizer` (no step is skipped then)."""
+    def start(self, callback: Any, optimizer: LossScaleOptimizer | None) -> None:
+        """Keeps overflow batches for this `fit` in the step of `callback`'s model (any
+        model); nothing to keep without a tfmixprec `LossScaleOptimizer` (no step is skipped
+        then)."""
         self._keeper, self._first, self._done = None, 0, 0
         if not self.limit or optimizer is None:
             return
-        self._keeper = keep_for_callbacks(model, self.limit, self.who)
+        # Keras gives every callback of one fit the same `params` dict: it marks the fit.
+        fit = callback.params
+        self._keeper = keep_for_callbacks(callback.model, self.limit, self.who, fit)
         self._first = len(self._keeper.kept) if self._keeper is not None else 0
 
     def new(self, model: Any) -> list[tuple[int, OverflowDiagnosis]]:
@@ -274,7 +277,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if opt is not None:
             state = opt.read_state()
             self._reported = (state["overflow_steps"], state["loss_scale"], _attempted(state))
-        self._diagnoser.start(self.model, opt)
+        self._diagnoser.start(self, opt)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._diagnoser.stop(self.model)

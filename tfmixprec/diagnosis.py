@@ -44,6 +44,7 @@ from tfmixprec._layers import (
     variable_owners,
     watch_leaf_calls,
 )
+from tfmixprec._observe import policies_swapped
 from tfmixprec._text import markdown_table
 from tfmixprec._validate import check_float32_scale
 from tfmixprec.gradient_range import gradient_range_stats
@@ -211,15 +212,8 @@ def _replay(model: keras.Model, data: tuple, loss_fn: Callable, scale: float) ->
 
 def _in_float32(model: keras.Model, run: Callable[[], _Pass]) -> _Pass:
     """`run()` with every layer of `model` computing in float32; the policies restored after."""
-    layers = [model, *iter_layers(model)]
-    policies = [layer.dtype_policy for layer in layers]
-    try:
-        for layer in layers:
-            layer.dtype_policy = "float32"
+    with policies_swapped([model, *iter_layers(model)], "float32"):
         return run()
-    finally:
-        for layer, policy in zip(layers, policies):
-            layer.dtype_policy = policy
 
 
 def _gradient_rows(model: keras.Model, grads: list[Any], grads32: list[Any]) -> dict[int, tuple]:
@@ -528,6 +522,7 @@ class OverflowBatches:
     def __init__(self, limit: int, owner: str = "user") -> None:
         self.limit = limit
         self.owner = owner
+        self.fit: Any = None  # for the callbacks' keeper: the `fit` it keeps for
         self.kept: list[KeptBatch] = []
         self._lock = threading.Lock()
 
@@ -624,20 +619,32 @@ def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
     return make
 
 
-def keep_for_callbacks(model: Any, limit: int, who: str) -> OverflowBatches | None:
+def keep_for_callbacks(
+    model: Any, limit: int, who: str, fit: Any = None
+) -> OverflowBatches | None:
     """For the callbacks' `diagnose=`: the batches kept already (the user's, or another
-    callback's), else a keeper for this `fit`; None, with a warning naming `who`, where
-    batches cannot be kept (training goes on without the replay)."""
+    callback's in this `fit`), else a keeper for this `fit`; None, with a warning naming
+    `who`, where batches cannot be kept (training goes on without the replay).
+
+    `fit` is what marks one `fit` (the `params` dict Keras gives every callback of a `fit`):
+    a callbacks' keeper left by an earlier `fit` that raised (Keras then skips
+    `on_train_end`) is replaced, not reused full."""
     current = current_keeper(model)
+    if current is not None and current.owner == "callbacks" and current.fit is not fit:
+        current = None  # left by an earlier fit
     if current is not None:
         if current.owner == "callbacks":
             current.limit = max(current.limit, limit)
         return current
     reason = cannot_keep_batches(model)
     if reason is not None:
+        if current_keeper(model) is not None:  # an earlier fit's: it keeps no more
+            set_keeper(model, None)
         warnings.warn(f"{who}: diagnose= is off for this fit: {reason}", RuntimeWarning, 3)
         return None
-    return set_keeper(model, OverflowBatches(limit, "callbacks"))
+    keeper = OverflowBatches(limit, "callbacks")
+    keeper.fit = fit
+    return set_keeper(model, keeper)
 
 
 def stop_keeping_for_callbacks(model: Any) -> None:

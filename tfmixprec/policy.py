@@ -7,13 +7,14 @@ import dataclasses
 import difflib
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
 
 from tfmixprec import cpu_float16
-from tfmixprec._layers import check_built_model, forget_traced_functions, observe
+from tfmixprec._layers import check_built_model, forget_traced_functions, iter_layers
+from tfmixprec._observe import observe
 from tfmixprec.hardware import GPUInfo, HardwareInfo, detect_hardware
 
 __all__ = [
@@ -305,22 +306,59 @@ def float32_outputs(model: keras.Model) -> list[PolicyChange]:
     """
     check_built_model(model, "float32_outputs")
     # Decide everything first, then change: nothing is half-changed on error.
-    changes: dict[int, tuple[Any, PolicyChange]] = {}
-    for output in observe(model).outputs:
-        layer = output.layer
-        if layer is None or output.dtype not in LOW_PRECISION or id(layer) in changes:
-            continue
-        reason = float32_reason(layer)
-        why = f"produces a model output in {output.dtype}" + (f"; {reason}" if reason else "")
-        change = PolicyChange(layer.name, layer.dtype_policy.name, "float32", why)
-        changes[id(layer)] = (layer, change)
-    saved_before = _saved_config(model) if changes else None
-    for layer, _ in changes.values():
+    changes = _float32_changes(observe(model).outputs)
+    if not changes:
+        return []
+    saved_before = _saved_config(model)
+    for layer, _ in changes:
         layer.dtype_policy = keras.DTypePolicy("float32")
-    if changes:
-        forget_traced_functions(model)
-        _warn_if_not_saved(model, saved_before, [change for _, change in changes.values()])
-    return [change for _, change in changes.values()]
+    forget_traced_functions(model)
+    _warn_if_not_saved(model, saved_before, [change for _, change in changes])
+    _warn_if_still_low(model)
+    return [change for _, change in changes]
+
+
+def _float32_changes(outputs: Sequence[Any]) -> list[tuple[Any, PolicyChange]]:
+    """For each model output in float16/bfloat16: the layer that computed it and the layers
+    nested in it, and the pass-through layers that carried it out (see `_observe`), each with
+    the `PolicyChange` that makes it compute in float32 (layers already in float32 left out)."""
+    changes: dict[int, tuple[Any, PolicyChange]] = {}
+
+    def change(layer: Any, why: str) -> None:
+        if id(layer) not in changes and layer.dtype_policy.compute_dtype in LOW_PRECISION:
+            changes[id(layer)] = (
+                layer,
+                PolicyChange(layer.name, layer.dtype_policy.name, "float32", why),
+            )
+
+    for output in outputs:
+        if output.layer is None or output.dtype not in LOW_PRECISION:
+            continue
+        reason = float32_reason(output.layer)
+        change(
+            output.layer,
+            f"produces a model output in {output.dtype}" + (f"; {reason}" if reason else ""),
+        )
+        for part in iter_layers(output.layer):  # a layer of layers computes with them
+            change(part, f"inside {output.layer.name!r}, which produces a model output")
+        for layer in output.through:
+            change(layer, f"passes on the model output {output.layer.name!r} produces")
+    return list(changes.values())
+
+
+def _warn_if_still_low(model: keras.Model) -> None:
+    """Warns of model outputs still in float16/bfloat16 after the change: made by an
+    operation no layer's dtype controls."""
+    left = [out.dtype for out in observe(model).outputs if out.dtype in LOW_PRECISION]
+    if left:
+        warnings.warn(
+            f"float32_outputs left {len(left)} output(s) of model {model.name!r} in {left[0]}: "
+            "an operation outside the layers it changed makes them (raw tensor arithmetic "
+            "in a call, say). Cast them in the model's call: keras.ops.cast(output, "
+            "'float32').",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _saved_config(model: keras.Model) -> Any:

@@ -271,7 +271,7 @@ class TensorBoard(_ChiefWrites):
         opt = _adopt_loss_scaling(self.model, "tfmixprec.TensorBoard")
         super().on_train_begin(logs)
         self._last_overflow_total = opt.read_state()["overflow_steps"] if opt is not None else 0
-        self._diagnoser.start(self.model, opt)
+        self._diagnoser.start(self, opt)
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
         with tensorboard_writer(self).as_default(), tf.summary.record_if(True):

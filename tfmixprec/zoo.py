@@ -235,9 +235,9 @@ def build(name: str, size: str = "tiny", seed: int = 0) -> ZooModel:
         ValueError: For an unknown name or size.
         ImportError: For a KerasHub model without `keras-hub` installed.
     """
-    if name not in MODELS:
+    if not isinstance(name, str) or name not in MODELS:
         raise ValueError(f"Unknown zoo model. Valid names: {', '.join(MODELS)}. Received: {name!r}")
-    if size not in SIZES:
+    if not isinstance(size, str) or size not in SIZES:
         raise ValueError(f"Unknown zoo size. Valid sizes: {', '.join(SIZES)}. Received: {size!r}")
     builder, loss, data = MODELS[name]
     dims = _SIZE[size]
