@@ -2,6 +2,9 @@
 
 import importlib
 import json
+import os
+import subprocess
+import sys
 import threading
 import zipfile
 
@@ -533,7 +536,6 @@ def test_audits_in_two_threads_leave_the_model_as_it_was():
     """One observing call (and one policy swap) at a time: a second thread would otherwise
     save the first one's watcher or swapped policy as the layer's own and put it back."""
 
-
     tfmixprec.set_policy("mixed_float16")
     inputs = keras.Input((16,))
     hidden = inputs
@@ -630,3 +632,34 @@ def test_an_unbuilt_sublayer_and_auto_under_given_hardware():
     assert tfmixprec.audit(model, hardware=A100).errors == []
     v100 = HardwareInfo(gpus=(GPUInfo("Tesla V100", (7, 0)),))
     assert tfmixprec.audit(model, policy="auto", hardware=v100).policy == "mixed_float16"
+
+
+def test_auditing_a_file_leaves_the_process_as_it_was(tmp_path):
+    """Compiling a saved float16 MixedPrecisionModel goes through tfmixprec's compile, which
+    turns grappler's remapper off on a CPU: the audit puts it back (a fresh process, where it
+    was on)."""
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(8)(inputs))
+        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+        model.compile(optimizer="sgd", loss="mse")
+    model.save(tmp_path / "model.keras")
+    code = (
+        "import tensorflow as tf, tfmixprec\n"
+        "options = tf.config.optimizer.get_experimental_options\n"
+        "remapping = lambda: options().get('remapping', True)\n"
+        "before = remapping()\n"
+        "status = tfmixprec.cpu_float16.status()\n"
+        f"tfmixprec.audit({str(tmp_path / 'model.keras')!r})\n"
+        "print(before == remapping(),"
+        " status == tfmixprec.cpu_float16.status())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"]

@@ -656,7 +656,10 @@ def audit(
     """
     followers = None
     if isinstance(model, (str, os.PathLike)):
-        model, followers = load_model_file(model)
+        # Compiling a file's model through tfmixprec turns the remapper off on a CPU: the
+        # audit leaves the process as it found it.
+        with cpu_float16.process_state_kept():
+            model, followers = load_model_file(model)
     context = _context(model, policy, hardware, followers)
     return AuditReport(
         model=model.name,

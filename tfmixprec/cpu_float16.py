@@ -33,7 +33,9 @@ on by default where they help (a float16 policy and no GPU) and never on a GPU; 
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -192,6 +194,26 @@ def disable() -> None:
     if _STATE["remapper_was"] is not None:
         tf.config.optimizer.set_experimental_options({"remapping": _STATE["remapper_was"]})
         _STATE["remapper_was"] = None
+
+
+@contextlib.contextmanager
+def process_state_kept() -> Iterator[None]:
+    """Within the block, this module may turn the remapper off (a model file compiled through
+    tfmixprec, say); after it, the remapper and this module's switches are as they were."""
+    remapping = _remapping()
+    saved = dict(_STATE)
+    try:
+        yield
+    finally:
+        if _remapping() != remapping:
+            tf.config.optimizer.set_experimental_options({"remapping": remapping})
+        _STATE.clear()
+        _STATE.update(saved)
+
+
+def _remapping() -> bool:
+    """Whether grappler's remapper is on (TensorFlow's default when it was never set)."""
+    return bool(tf.config.optimizer.get_experimental_options().get("remapping", True))
 
 
 def status() -> dict[str, Any]:
