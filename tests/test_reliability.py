@@ -246,6 +246,9 @@ def shared(tmp_path_factory):
     (folder / "notes.txt").write_text("hello")
     with zipfile.ZipFile(folder / "corrupt.keras", "w") as archive:
         archive.writestr("config.json", "{not json")
+    for name, config in MALFORMED.items():  # JSON, but no model config
+        with zipfile.ZipFile(folder / f"{name}.keras", "w") as archive:
+            archive.writestr("config.json", config)
     with tfmixprec.policy_scope("mixed_float16"):
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
@@ -254,6 +257,18 @@ def shared(tmp_path_factory):
     opt = LossScaleOptimizer(keras.optimizers.Adam(), initial_scale=64)
     opt.build(model.trainable_variables)
     return {"folder": folder, "model": model, "opt": opt}
+
+
+# config.json files that parse but hold no model: each is a file that cannot be audited (a
+# ValueError, exit 2), never a traceback or an AttributeError/RecursionError/TypeError.
+MALFORMED = {
+    "list": "[]",
+    "text": '"a model"',
+    "number": "3",
+    "deep": "[" * 900 + "]" * 900,
+    "deep_object": '{"config": ' + '{"a": ' * 900 + "1" + "}" * 901,
+    "compile_list": '{"class_name": "Sequential", "config": {}, "compile_config": []}',
+}
 
 
 def _unbuilt():
@@ -370,6 +385,25 @@ CATALOG = [
         CLIError,
         r"(?s)exit 2: .*could not load .*corrupt.keras",
     ),
+    *[
+        (
+            f"cli malformed {name}",
+            lambda s, name=name: _cli("audit", str(s["folder"] / f"{name}.keras")),
+            CLIError,
+            rf"(?s)exit 2: tfmixprec audit: error: .*{name}.keras",
+        )
+        for name in MALFORMED
+    ],
+    *[
+        (
+            f"audit malformed {name}",
+            lambda s, name=name: tfmixprec.audit(s["folder"] / f"{name}.keras"),
+            ValueError,
+            rf"{name}.keras'? (is not a Keras model file|has a compile config|as a Keras model: "
+            "its config is nested too deeply)",
+        )
+        for name in MALFORMED
+    ],
 ]
 
 

@@ -47,9 +47,10 @@ def load_model_file(path: str | os.PathLike) -> tuple[keras.Model, frozenset[int
             code or needs classes from outside Keras and tfmixprec, or if it does not load.
     """
     path = Path(path)
-    config, compile_config, wrapped = _read(path)
-    _refuse_code(path, config)
-    policy, follow = _saved_policies(config.get("config"))
+    with _load_errors(path):  # a malformed config fails in many ways: one ValueError
+        config, compile_config, wrapped = _read(path)
+        _refuse_code(path, config)
+        policy, follow = _saved_policies(config.get("config"))
     with _global_policy(policy), _load_errors(path), warnings.catch_warnings():
         # The optimizer's saved variables are not the audit's to load: a KerasHub task, which
         # compiles itself when built, makes Keras say it skips them.
@@ -76,14 +77,33 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, bool | Non
         )
     if zipfile.is_zipfile(path):
         with _load_errors(path), zipfile.ZipFile(path) as archive:
-            config = json.loads(archive.read("config.json"))
-        return config, config.get("compile_config"), _wrapped_optimizer(path)
+            config = _json_object(path, "config.json", archive.read("config.json"))
+        compile_config = config.get("compile_config")
+        if not isinstance(compile_config, (dict, type(None))):
+            raise ValueError(
+                f"{str(path)!r} has a compile config that is a {type(compile_config).__name__}, "
+                "not a JSON object: not a file Keras wrote. Save the model again with "
+                "model.save('model.keras')."
+            )
+        return config, compile_config, _wrapped_optimizer(path)
     if h5py.is_hdf5(path):
         return *_read_h5(path), None
     raise ValueError(
         f"{str(path)!r} is not a Keras model file (.keras is a zip archive; save the model "
         "with model.save('model.keras'))."
     )
+
+
+def _json_object(path: Path, member: str, text: Any) -> dict[str, Any]:
+    """`text` parsed as JSON, which must be an object (Keras writes a model's config as one)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{str(path)!r} is not a Keras model file: its {member} is a "
+            f"{type(value).__name__}, not a JSON object. Save the model with "
+            "model.save('model.keras')."
+        )
+    return value
 
 
 def _read_h5(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -93,10 +113,10 @@ def _read_h5(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
     with _load_errors(path), h5py.File(path, "r") as file:
         text, training = file.attrs.get("model_config"), file.attrs.get("training_config")
         if text is not None:
-            training = json.loads(training) if training is not None else {}
+            training = _json_object(path, "training_config", training) if training else {}
             optimizer = training.get("optimizer_config")
             compile_config = {"legacy_optimizer": optimizer} if optimizer else None
-            return json.loads(text), compile_config
+            return _json_object(path, "model_config", text), compile_config
     raise ValueError(
         f"{str(path)!r} is an HDF5 file without a model (weights only, e.g. from "
         "model.save_weights): audit the model itself, saved with model.save('model.keras')."
@@ -122,17 +142,23 @@ def _load_errors(path: Path) -> Iterator[None]:
     try:
         yield
     except ValueError as err:
-        if str(err).startswith(repr(str(path))):  # already one of ours
+        if str(err).startswith((repr(str(path)), _cannot_load(path, None))):  # already ours
             raise
         raise ValueError(_cannot_load(path, err)) from err
     except Exception as err:  # a corrupt or foreign file fails in many ways
         raise ValueError(_cannot_load(path, err)) from err
 
 
-def _cannot_load(path: Path, err: BaseException) -> str:
+def _cannot_load(path: Path, err: BaseException | None) -> str:
+    """The message for a file that does not load (its start alone for `err=None`)."""
+    head = f"could not load {str(path)!r} as a Keras model: "
+    if err is None:
+        return head
     text = str(err).strip()
     first = text.splitlines()[0] if text else type(err).__name__
-    return f"could not load {str(path)!r} as a Keras model: {first}"
+    if isinstance(err, RecursionError):
+        first = "its config is nested too deeply"
+    return head + first
 
 
 def _refuse_code(path: Path, config: Any) -> None:
