@@ -237,3 +237,17 @@ def test_a_fit_shorter_than_update_freq_still_measures_once_at_its_end():
     monitor.update_freq = 2
     _fit_four_batches(model, [monitor])
     assert calls == [4, 2, 4]  # measured during the fit: nothing more at its end
+
+
+def test_update_freq_counts_steps_with_several_steps_per_execution():
+    """Keras calls a callback once per execution (with its last step's index): 16 steps in
+    executions of 4 are 16 steps, and update_freq=4 measures at each 4th."""
+    model = _linear_model()
+    model.compile(
+        optimizer=tfmixprec.LossScaleOptimizer("sgd"), loss="mse", steps_per_execution=4
+    )
+    monitor = GradientRangeMonitor((np.ones((1, 4)), np.ones((1, 1))), update_freq=4)
+    calls = _counting(monitor)
+    x = np.ones((16, 4), np.float32)
+    model.fit(x, np.ones((16, 1), np.float32), batch_size=1, verbose=0, callbacks=[monitor])
+    assert calls == [4, 8, 12, 16]

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmixprec._cadence import Every
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.attribution import overflow_report
 from tfmixprec.diagnosis import (
@@ -28,30 +29,6 @@ from tfmixprec.loss_scale import LOG_KEYS, format_scale
 from tfmixprec.optimizer import LossScaleOptimizer, _adopt_loss_scaling, _loss_scaling_of
 
 __all__ = ["LossScaleMonitor", "OverflowGuard"]
-
-
-class _Every:
-    """Whether a read is due: every `n` batches (steps) of a `fit`, counted from the `batch`
-    index Keras passes (with `steps_per_execution` > 1, the execution's last step), so an
-    interval that ends inside an execution is read at the execution's end."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.start()
-
-    def start(self) -> None:
-        self._done, self._epoch_base, self._epoch_steps = 0, 0, 0
-
-    def epoch_begin(self) -> None:
-        self._epoch_base += self._epoch_steps
-        self._epoch_steps = 0
-
-    def due(self, batch: int) -> bool:
-        self._epoch_steps = batch + 1
-        total = self._epoch_base + self._epoch_steps
-        due = total // self.n > self._done // self.n
-        self._done = total
-        return due
 
 
 def _attempted(state: dict[str, Any]) -> int:
@@ -141,7 +118,7 @@ class _FitWatch(keras.callbacks.Callback):
     def __init__(self, update_freq: int = 50) -> None:
         super().__init__()
         self.update_freq = update_freq
-        self._every = _Every(update_freq)
+        self._every = Every(update_freq)
         self.epoch_overflows = _EpochOverflows()  # shared with the progress bar
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -258,7 +235,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._diagnoser = _Diagnoser(diagnose, "LossScaleMonitor")
         self.diagnoses: list[tuple[int, OverflowDiagnosis]] = []
         self.events: list[str] = []
-        self._every = _Every(self.update_freq)
+        self._every = Every(self.update_freq)
         self._reported: tuple[int, float, int] = (0, 0.0, 0)
         self._snapshot: Any = None
         self._snapshot_of: Any = None
@@ -413,7 +390,7 @@ class OverflowGuard(keras.callbacks.Callback):
         self.verbose = verbose
         self.stopped_step: int | None = None
         self.stop_message: str | None = None
-        self._every = _Every(self.update_freq)
+        self._every = Every(self.update_freq)
         self._good_weights: list[np.ndarray] | None = None
 
     def get_config(self) -> dict[str, Any]:

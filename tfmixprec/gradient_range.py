@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmixprec._cadence import Every
 from tfmixprec._layers import compiled_loss, loss_value
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.loss_scale import divide, multiply
@@ -198,7 +199,8 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         self.weight_stats: GradientRangeStats | None = None
         self.activation_stats: dict[str, GradientRangeStats] = {}
         self.last_step: int | None = None
-        self._step = 0
+        self._step = 0  # steps counted so far in this fit
+        self._every = Every(self.update_freq)
         self._driver: keras.callbacks.Callback | None = None
         self._loss: Callable[..., Any] | None = None
         self._probe: keras.Model | None = None
@@ -335,17 +337,22 @@ class GradientRangeMonitor(keras.callbacks.Callback):
             )
         return stats.recommend_loss_scale(percentile)
 
-    def step(self, logs: dict | None = None) -> bool:
-        """Counts one batch; measures on every `update_freq`-th.
+    def step(self, logs: dict | None = None, batch: int | None = None) -> bool:
+        """Counts the steps up to `batch` (one step when `batch` is None); measures when an
+        `update_freq`-th step is among them.
 
         Args:
             logs: Dict or `None`. The batch logs; a measurement adds its `grad_*` fractions.
+            batch: Int or None. The index Keras passes to `on_train_batch_end` (with
+                `steps_per_execution` > 1, the execution's last step): steps, not calls,
+                are counted.
 
         Returns:
             Whether it measured.
         """
-        self._step += 1
-        if self._step % self.update_freq:
+        due = self._every.due(self._every.steps_in_epoch if batch is None else batch)
+        self._step = self._every.steps
+        if not due:
             return False
         stats = self.measure()
         if logs is not None:
@@ -362,11 +369,15 @@ class GradientRangeMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         _adopt_loss_scaling(self.model, "GradientRangeMonitor")
         self._step = 0
+        self._every = Every(self.update_freq)  # `update_freq` as it is now
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._every.epoch_begin()  # a driver calls it too
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self._driver is not None:
             return  # the driver calls step() itself
-        self.step(logs if logs is not None else {})
+        self.step(logs if logs is not None else {}, batch)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._step < self.update_freq:  # a fit shorter than update_freq still measures once

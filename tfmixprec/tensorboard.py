@@ -295,7 +295,8 @@ class TensorBoard(_ChiefWrites):
             self.write_diagnosis(diagnosis, self._current_step())
         measured = False
         if self.gradient_monitor is not None:
-            measured = self.gradient_monitor.step(logs if isinstance(logs, dict) else None)
+            logs = logs if isinstance(logs, dict) else None
+            measured = self.gradient_monitor.step(logs, batch)
         if self.update_freq != "epoch" and tensorboard_step(self) % self.update_freq == 0:
             self._write(tensorboard_step(self))
         elif measured and self.update_freq != "epoch":
@@ -304,6 +305,8 @@ class TensorBoard(_ChiefWrites):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_begin(epoch, logs)
         self._epoch = epoch
+        if self.gradient_monitor is not None:
+            self.gradient_monitor.on_epoch_begin(epoch, logs)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_end(epoch, _without_loss_scale(logs))
