@@ -356,14 +356,7 @@ class GradientRangeMonitor(keras.callbacks.Callback):
             return False
         stats = self.measure()
         if logs is not None:
-            logs.update(
-                {
-                    "grad_underflow_fraction": stats.underflow_fraction,
-                    "grad_subnormal_fraction": stats.subnormal_fraction,
-                    "grad_overflow_fraction": stats.overflow_fraction,
-                    "grad_zero_fraction": stats.zero_fraction,
-                }
-            )
+            logs.update(_log_values(stats))
         return True
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -382,3 +375,13 @@ class GradientRangeMonitor(keras.callbacks.Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._step < self.update_freq:  # a fit shorter than update_freq still measures once
             self.measure()
+
+
+def _log_values(stats: GradientRangeStats) -> dict[str, float]:
+    """The `grad_*` fractions a measurement adds to the batch logs."""
+    return {
+        "grad_underflow_fraction": stats.underflow_fraction,
+        "grad_subnormal_fraction": stats.subnormal_fraction,
+        "grad_overflow_fraction": stats.overflow_fraction,
+        "grad_zero_fraction": stats.zero_fraction,
+    }
