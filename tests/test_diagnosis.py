@@ -457,3 +457,22 @@ def test_diagnose_keeps_a_train_step_set_on_the_instance():
     )
     assert "own" in history.history  # the user's step ran, wrapped
     assert vars(model)["train_step"] is own_step  # and is back after the fit
+
+
+def test_a_layer_called_twice_is_judged_by_the_call_that_overflowed():
+    """The shared layer's first call reaches 80000 (float16's inf), its second 8: the advice
+    reads the first call's float32 replay, and the row holds both calls."""
+    tfmixprec.set_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    shared = keras.layers.Dense(4, use_bias=False, kernel_initializer="ones", name="shared")
+    big = shared(keras.layers.Rescaling(200.0)(inputs))
+    small = shared(keras.layers.Rescaling(0.02)(inputs))
+    joined = keras.layers.Concatenate()([big, small])
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="out")(joined))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.full((2, 4), 100.0, "float32")
+    diagnosis = tfmixprec.explain_overflow(model, (x, np.ones((2, 1), "float32")))
+    assert (diagnosis.cause, diagnosis.layer) == ("forward-overflow", "shared")
+    assert "its outputs reach 8e+04 in float32, past float16's 65504" in diagnosis.message
+    (row,) = [r for r in diagnosis.layers if r.layer == "shared"]
+    assert (row.inf, row.max_abs, row.float32_max_abs) == (8, 8.0, 80000.0)

@@ -237,23 +237,34 @@ def _gradient_rows(model: keras.Model, grads: list[Any], grads32: list[Any]) -> 
     return rows
 
 
+def _float32_max(stats: tuple[float, int, int]) -> float:
+    """A call's largest |x| in the float32 replay (`inf` when not finite there)."""
+    biggest, nan, inf = stats
+    return math.inf if nan or inf else biggest
+
+
 def _layer_rows(model: keras.Model, run: _Pass, run32: _Pass) -> list[LayerReplay]:
-    float32_max = {}
-    for layer, _, (biggest, nan, inf), _ in run32.calls:
-        float32_max[id(layer)] = math.inf if nan or inf else biggest
+    """One row a layer, over all its calls (a layer called twice: the larger values, the
+    NaN/Inf of both); the two replays call the layers in the same order."""
     grad_rows = _gradient_rows(model, run.grads, run32.grads)
-    rows, seen = [], set()
-    for layer, dtype, (biggest, nan, inf), _ in run.calls:
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        bad, under = grad_rows.get(id(layer), (0, 0.0))
-        rows.append(
-            LayerReplay(
-                layer.name, dtype, biggest, nan, inf, float32_max.get(id(layer), 0.0), bad, under
+    rows: dict[int, LayerReplay] = {}
+    for (layer, dtype, (biggest, nan, inf), _), call32 in zip(run.calls, run32.calls):
+        float32_max = _float32_max(call32[2])
+        row = rows.get(id(layer))
+        if row is None:
+            bad, under = grad_rows.get(id(layer), (0, 0.0))
+            rows[id(layer)] = LayerReplay(
+                layer.name, dtype, biggest, nan, inf, float32_max, bad, under
             )
-        )
-    return rows
+        else:
+            rows[id(layer)] = dataclasses.replace(
+                row,
+                max_abs=max(row.max_abs, biggest),
+                nan=row.nan + nan,
+                inf=row.inf + inf,
+                float32_max_abs=max(row.float32_max_abs, float32_max),
+            )
+    return list(rows.values())
 
 
 def _bad_data(data: tuple) -> OverflowDiagnosis | None:
@@ -308,20 +319,22 @@ def _input_advice(dtype: str, input_max: float) -> str:
     )
 
 
-def _forward_source(run: _Pass, run32: _Pass, rows: list[LayerReplay]) -> OverflowDiagnosis | None:
+def _forward_source(run: _Pass, run32: _Pass) -> OverflowDiagnosis | None:
     """The first layer whose output is not finite although its inputs are; else the first
     layer whose output is not finite (its inputs overflowed before it, outside any layer)."""
-    by_name = {row.layer: row for row in rows}
-    bad = [call for call in run.calls if call[2][1] or call[2][2]]
-    for layer, dtype, (_, nan, inf), (_, in_nan, in_inf) in bad:
+    # Each call's own float32 replay decides (a layer may be called twice).
+    bad = [
+        (call, call32) for call, call32 in zip(run.calls, run32.calls) if call[2][1] or call[2][2]
+    ]
+    for (layer, dtype, (_, nan, inf), (_, in_nan, in_inf)), call32 in bad:
         if not (in_nan or in_inf):
-            advice = _forward_advice(dtype, by_name[layer.name].float32_max_abs)
+            advice = _forward_advice(dtype, _float32_max(call32[2]))
             return _verdict(
                 "forward-overflow", layer.name, f"{nan + inf} NaN/Inf in its output; {advice}"
             )
     if bad:
-        layer, _, (_, nan, inf), _ = bad[0]
-        input_max = next((c[3][0] for c in run32.calls if c[0] is layer), math.nan)
+        (layer, _, (_, nan, inf), _), call32 = bad[0]
+        input_max = call32[3][0]
         low = next((c[1] for c in run.calls if c[1] != "float32"), "float32")
         advice = _input_advice(low, input_max)
         return _verdict(
@@ -356,7 +369,7 @@ def _verdict(cause: str, layer: str | None, message: str) -> OverflowDiagnosis:
 def _classify(
     run: _Pass, run32: _Pass, rows: list[LayerReplay], replay: Callable, scale: float
 ) -> OverflowDiagnosis:
-    found = _forward_source(run, run32, rows)
+    found = _forward_source(run, run32)
     if found is not None:
         return found
     scaled = run.loss * scale
@@ -619,9 +632,7 @@ def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
     return make
 
 
-def keep_for_callbacks(
-    model: Any, limit: int, who: str, fit: Any = None
-) -> OverflowBatches | None:
+def keep_for_callbacks(model: Any, limit: int, who: str, fit: Any = None) -> OverflowBatches | None:
     """For the callbacks' `diagnose=`: the batches kept already (the user's, or another
     callback's in this `fit`), else a keeper for this `fit`; None, with a warning naming
     `who`, where batches cannot be kept (training goes on without the replay).
@@ -652,4 +663,3 @@ def stop_keeping_for_callbacks(model: Any) -> None:
     current = current_keeper(model)
     if current is not None and current.owner == "callbacks":
         set_keeper(model, None)
-
