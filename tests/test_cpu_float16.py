@@ -271,3 +271,51 @@ def test_a_realistic_float16_cnn_trains_on_a_cpu_like_float32():
     np.testing.assert_allclose(h16["loss"], h32["loss"], rtol=2e-3)
     for a, b in zip(w32, w16):
         np.testing.assert_allclose(a, b, atol=2e-3)
+
+
+_CONVOLUTIONS = {
+    "Conv1D": (lambda: keras.layers.Conv1D(8, 3, padding="causal", dilation_rate=2), (12, 4)),
+    "Conv2D": (lambda: keras.layers.Conv2D(8, 3), (6, 6, 4)),
+    "Conv1DTranspose": (lambda: keras.layers.Conv1DTranspose(8, 3, strides=2), (6, 4)),
+    "Conv2DTranspose": (lambda: keras.layers.Conv2DTranspose(8, 3, strides=2), (5, 5, 4)),
+    "DepthwiseConv2D": (lambda: keras.layers.DepthwiseConv2D(3, depth_multiplier=2), (6, 6, 4)),
+    "SeparableConv1D": (lambda: keras.layers.SeparableConv1D(8, 3), (12, 4)),
+    "SeparableConv2D": (lambda: keras.layers.SeparableConv2D(8, 3), (6, 6, 4)),
+}
+
+
+def _float16_convolutions(layer, x):
+    """The convolution ops (forward and gradients) whose dtype is float16 in the traced
+    forward and backward pass of `layer` on `x`: the kernels that really run."""
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(layer(x), tf.float32))
+        return tape.gradient(loss, layer.trainable_variables)
+
+    graph = step.get_concrete_function(tf.TensorSpec(x.shape, tf.float32)).graph
+    kinds = ("Conv", "Depthwise")
+    return sorted(
+        op.type
+        for op in graph.get_operations()
+        if op.type.startswith(kinds) and op.get_attr("T") == tf.float16
+    )
+
+
+@pytest.mark.parametrize("kind", list(_CONVOLUTIONS))
+def test_every_convolution_kind_is_routed_by_the_kernel_that_runs(kind):
+    """Routed, no float16 convolution kernel runs, forward or backward (Conv1D was reported
+    routed but ran its float16 kernel; the transposed ones were neither), and the output is
+    the layer's own within float16 rounding."""
+    make, shape = _CONVOLUTIONS[kind]
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        layer = make()
+    x = np.random.default_rng(0).normal(size=(2, *shape)).astype("float32")
+    before = np.asarray(layer(x), "float32")
+    assert _float16_convolutions(layer, x)  # TensorFlow's float16 kernels, unrouted
+    assert cpu_float16.fast_float16_layers(layer, CPU_ONLY) == [layer.name]
+    assert _float16_convolutions(layer, x) == []
+    after = np.asarray(layer(x), "float32")
+    np.testing.assert_allclose(after, before, rtol=4 * 2.0**-10, atol=4 * 2.0**-10)

@@ -117,17 +117,87 @@ def _float32_product_call(layer: Any, inputs: Any, training: Any = None) -> Any:
     return x
 
 
+def _float32_read(layer: Any, variable: Any) -> tf.Tensor:
+    """A kernel read in the compute dtype, then cast to float32: its gradient passes a
+    float16 cast and overflows where a float16 product's would."""
+    return tf.cast(keras.ops.cast(variable, layer.compute_dtype), tf.float32)
+
+
+def _convolution_in_float32(layer: Any, inputs: tf.Tensor) -> tf.Tensor:
+    """The convolution of `layer`'s own `call` (Keras's `Conv1D`, transposed, depthwise and
+    separable convolutions call `keras.ops` directly, not `convolution_op`), in float32."""
+    ops, common = keras.ops, dict(padding=layer.padding, data_format=layer.data_format)
+    if isinstance(layer, keras.layers.SeparableConv1D | keras.layers.SeparableConv2D):
+        depthwise = _float32_read(layer, layer.depthwise_kernel)
+        pointwise = _float32_read(layer, layer.pointwise_kernel)
+        return ops.separable_conv(
+            inputs, depthwise, pointwise, layer.strides, dilation_rate=layer.dilation_rate, **common
+        )
+    kernel = _float32_read(layer, layer.kernel)
+    if isinstance(layer, keras.layers.DepthwiseConv1D | keras.layers.DepthwiseConv2D):
+        return ops.depthwise_conv(
+            inputs, kernel, layer.strides, dilation_rate=layer.dilation_rate, **common
+        )
+    if "Transpose" in type(layer).__name__:
+        return ops.conv_transpose(
+            inputs,
+            kernel,
+            list(layer.strides),
+            output_padding=layer.output_padding,
+            dilation_rate=layer.dilation_rate,
+            **common,
+        )
+    if layer.padding == "causal":  # Conv1D: pad the past, as Keras's own call does
+        left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
+        axis = 1 if layer.data_format == "channels_last" else 2
+        inputs = ops.pad(inputs, [(left, 0) if i == axis else (0, 0) for i in range(3)])
+        common["padding"] = "valid"
+    return ops.conv(
+        inputs, kernel, list(layer.strides), dilation_rate=layer.dilation_rate, **common
+    )
+
+
+def _float32_convolution_call(layer: Any, inputs: Any) -> Any:
+    """A convolution layer's `call` (one that does not use `convolution_op`) with the
+    convolution in float32; bias and activation in float16, as in Keras."""
+    x = tf.cast(_convolution_in_float32(layer, tf.cast(inputs, tf.float32)), layer.compute_dtype)
+    if layer.bias is not None:
+        channels = (layer.bias.shape[0],)
+        shape = (1,) * (layer.rank + 1) + channels
+        if layer.data_format != "channels_last":
+            shape = (1,) + channels + (1,) * layer.rank
+        x = keras.ops.add(x, keras.ops.reshape(layer.bias, shape))
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x
+
+
 # What each workaround replaces, on which layers (measured reasons in the module docstring).
 # A subclass that overrides `call` keeps its own (the replacement re-implements Keras's).
 _PRODUCT_CLASSES = (keras.layers.Dense, keras.layers.EinsumDense)
+# Convolutions whose `call` runs `keras.ops` itself (Keras's own `call`, not overridden).
+_CONVOLUTION_CALLS = (
+    keras.layers.Conv1D,
+    keras.layers.Conv1DTranspose,
+    keras.layers.Conv2DTranspose,
+    keras.layers.Conv3DTranspose,
+    keras.layers.DepthwiseConv1D,
+    keras.layers.DepthwiseConv2D,
+    keras.layers.SeparableConv1D,
+    keras.layers.SeparableConv2D,
+)
 
 
 def _float32_method(layer: Any) -> tuple[str, Any] | None:
-    if hasattr(type(layer), "convolution_op"):
+    if getattr(layer, "quantization_mode", None) is not None:
+        return None
+    call = type(layer).call
+    if call is keras.layers.Conv2D.call:  # Keras's base convolution: through convolution_op
         return "convolution_op", _float32_convolution
-    for cls in _PRODUCT_CLASSES:
-        if type(layer).call is cls.call and getattr(layer, "quantization_mode", None) is None:
-            return "call", _float32_product_call
+    if any(call is cls.call for cls in _CONVOLUTION_CALLS):
+        return "call", _float32_convolution_call
+    if any(call is cls.call for cls in _PRODUCT_CLASSES):
+        return "call", _float32_product_call
     return None
 
 
