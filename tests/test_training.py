@@ -357,6 +357,42 @@ def test_accumulation_overflow_discards_window_and_backs_off_once():
     assert not np.array_equal(before[0], model.weights[0].numpy())
 
 
+def test_accumulation_logs_an_overflow_only_at_the_window_that_skipped():
+    """A clean micro-batch after an overflow window is no overflow step (it was logged 1.0):
+    only the micro-batch that ends a window can be skipped."""
+    tfmixprec.set_policy("float32")
+    model = _functional()
+    model.compile(
+        optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8),
+        loss="mse",
+        accumulation_steps=2,
+    )
+    x, y = _data(16)
+    x[1, 0] = np.inf  # micro-batch 0 of window 0
+    flags = []
+
+    class Flags(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            flags.append(float(logs["overflow"]))
+
+    model.fit(x, y, batch_size=2, verbose=0, shuffle=False, callbacks=[Flags()])
+    assert flags == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_a_fit_that_ends_inside_a_window_says_so():
+    tfmixprec.set_policy("float32")
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", accumulation_steps=4)
+    x, y = _data(8)
+    with pytest.warns(RuntimeWarning, match=r"2 of 4 micro-batches are summed.*discard_partial"):
+        model.fit(x[:6], y[:6], batch_size=1, verbose=0)  # one window and 2 micro-batches
+    assert model.optimizer.discard_partial_window() == 2
+    assert model.optimizer.discard_partial_window() == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a whole number of windows: nothing to say
+        model.fit(x[:8], y[:8], batch_size=2, epochs=1, verbose=0)
+
+
 def test_accumulation_with_learning_rate_schedule():
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([1], [0.1, 0.0])
     model = _functional()

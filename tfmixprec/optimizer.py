@@ -219,8 +219,13 @@ class _LossScaleReadout:
 
     def snapshot(self) -> dict[str, tf.Tensor]:
         """The loss-scale values for logs, read in the graph (no host sync; after `apply`
-        they include that step). See `LossScale.snapshot`."""
-        return self._loss_scale.snapshot(self.iterations)
+        they include that step). See `LossScale.snapshot`. With accumulation only the
+        micro-batch that ends a window can be an overflow step: `overflow` is 0 inside one."""
+        values = self._loss_scale.snapshot(self.iterations)
+        if self._accumulator is not None:
+            ended = tf.equal(read_now(self._accumulator.micro_step), 0)
+            values["overflow"] = values["overflow"] * tf.cast(ended, tf.float32)
+        return values
 
     def read_state(self) -> dict[str, float | int]:
         """Reads the whole scale state to the host as Python numbers (also under strategies).
@@ -285,9 +290,34 @@ class _LossScaleReadout:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
-        """Called by Keras at the end of `fit`; also reports a `min_scale` overflow."""
+        """Called by Keras at the end of `fit`; also reports a `min_scale` overflow and a
+        gradient accumulation window the `fit` left partly summed."""
         super().finalize_variable_values(var_list)
         self.check_min_scale()
+        summed = int(self._accumulator.micro_step.numpy()) if self._accumulator else 0
+        if summed:
+            warnings.warn(
+                f"fit ended inside a gradient accumulation window: {summed} of "
+                f"{self.accumulation_steps} micro-batches are summed, and the next fit's "
+                "first window counts them (its first applied step covers them). Make the "
+                "steps of a fit a multiple of accumulation_steps, or call "
+                "optimizer.discard_partial_window() to drop them.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def discard_partial_window(self) -> int:
+        """Drops the micro-batches summed so far in the current accumulation window (call it
+        outside the step, e.g. after a `fit`).
+
+        Returns:
+            How many micro-batches were dropped (0 without accumulation).
+        """
+        if self._accumulator is None:
+            return 0
+        summed = int(self._accumulator.micro_step.numpy())
+        self._accumulator.clear()
+        return summed
 
     # ------------------------------------------------------------ serialization
     def load_own_variables(self, store: Any) -> None:
