@@ -663,3 +663,34 @@ def test_auditing_a_file_leaves_the_process_as_it_was(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True"]
+
+
+def test_a_legacy_h5_file_with_code_in_its_training_config_is_refused(tmp_path):
+    """A loss stored as a lambda's bytecode in an .h5 file's training_config: refused, also in
+    a process that enabled unsafe deserialization for its own files (its own process here:
+    Keras's switch is process-wide)."""
+    import h5py
+
+    _float16_classifier().save(tmp_path / "m.h5")
+    lambda_config = {"class_name": "__lambda__", "config": {"code": "4wAAAA==", "defaults": None}}
+    with h5py.File(tmp_path / "m.h5", "r+") as file:
+        training = json.loads(file.attrs["training_config"])
+        training["loss"] = lambda_config
+        file.attrs["training_config"] = json.dumps(training)
+    code = (
+        "import keras, tfmixprec\n"
+        "keras.config.enable_unsafe_deserialization()\n"
+        f"try:\n    tfmixprec.audit({str(tmp_path / 'm.h5')!r})\n"
+        "except ValueError as err:\n    print(err)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    refused = "m.h5' holds code: an entry of its training config (loss, metrics) is a Python lambda"
+    assert refused in done.stdout, (
+        done.stdout + done.stderr[-2000:]
+    )

@@ -114,6 +114,8 @@ def _read_h5(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
         text, training = file.attrs.get("model_config"), file.attrs.get("training_config")
         if text is not None:
             training = _json_object(path, "training_config", training) if training else {}
+            # A loss or metric stored as a lambda's bytecode.
+            _refuse_code(path, training, "an entry of its training config (loss, metrics)")
             optimizer = training.get("optimizer_config")
             compile_config = {"legacy_optimizer": optimizer} if optimizer else None
             return _json_object(path, "model_config", text), compile_config
@@ -161,10 +163,10 @@ def _cannot_load(path: Path, err: BaseException | None) -> str:
     return head + first
 
 
-def _refuse_code(path: Path, config: Any) -> None:
+def _refuse_code(path: Path, config: Any, where: str = "the model") -> None:
     """Raises if the config holds code (a lambda's bytecode) or names a class or function
     from outside Keras and tfmixprec that this process has not registered."""
-    found = _code_in(config, "the model")
+    found = _code_in(config, where)
     if found is None:
         return
     where, problem, is_bytecode = found
