@@ -691,6 +691,40 @@ def test_a_legacy_h5_file_with_code_in_its_training_config_is_refused(tmp_path):
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
     )
     refused = "m.h5' holds code: an entry of its training config (loss, metrics) is a Python lambda"
-    assert refused in done.stdout, (
+    assert refused in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("package", ["keras_cv", "keras_hub"])
+def test_a_folder_shadowing_a_trusted_package_is_never_imported(tmp_path, package):
+    """A file names a module of a package Keras imports itself (keras_cv, keras_hub); a folder
+    of that name next to the model, where the audit runs, is not that package: refused, and
+    its code never runs (keras_hub is installed here, keras_cv is not)."""
+    marker = tmp_path / "ran"
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="d")])
+    model.save(tmp_path / "m.keras")
+    with zipfile.ZipFile(tmp_path / "m.keras") as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    config = json.loads(members["config.json"])
+    config["config"]["layers"][-1]["module"] = f"{package}.layers"
+    members["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(tmp_path / "m.keras", "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    code = (
+        "import tfmixprec\n"
+        "try:\n    tfmixprec.audit('m.keras')\nexcept ValueError as err:\n    print(err)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert f"is module '{package}.layers' (importing '{package}' would run" in done.stdout, (
         done.stdout + done.stderr[-2000:]
     )
+    assert not marker.exists()

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.metadata
+import importlib.util
 import json
 import os
+import sys
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -210,12 +213,30 @@ def _code_problem(node: dict[str, Any], inner: Any) -> tuple[str, bool] | None:
     if not isinstance(module, str) or not isinstance(class_name, str):
         return None
     if module.split(".")[0] in TRUSTED_PACKAGES:
-        return None
+        where = _not_installed(module.split(".")[0])
+        return None if where is None else (f"module {module!r} {where}", False)
     if keras.saving.get_registered_object(node.get("registered_name") or class_name):
         return None  # code this process imported itself, not code from the file
     name = inner if class_name == "function" and isinstance(inner, str) else class_name
     kind = "function" if class_name == "function" else "class"
     return f"{kind} {name!r} from module {module!r}", False
+
+
+def _not_installed(package: str) -> str | None:
+    """Why importing `package` could run code that is not an installed distribution's (a
+    folder of that name next to the model, say), or None when it is imported already or its
+    import comes from the distribution that installed it."""
+    if package in sys.modules or package == "builtins":
+        return None
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return f"({package!r} is not installed)"
+    origin = Path(spec.origin).resolve()
+    for name in importlib.metadata.packages_distributions().get(package, []):
+        dist = importlib.metadata.distribution(name)
+        if any(Path(dist.locate_file(file)).resolve() == origin for file in dist.files or []):
+            return None
+    return f"(importing {package!r} would run {str(origin)!r}, which no installed package holds)"
 
 
 def _saved_policies(config: Any) -> tuple[str | None, frozenset[str]]:
