@@ -728,3 +728,26 @@ def test_a_folder_shadowing_a_trusted_package_is_never_imported(tmp_path, packag
         done.stdout + done.stderr[-2000:]
     )
     assert not marker.exists()
+
+
+def _zip_with(path, members):
+    """A .keras-like archive, each member streamed in from `(name, chunk, times)`."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, chunk, times in members:
+            with archive.open(name, "w", force_zip64=True) as member:
+                for _ in range(times):
+                    member.write(chunk)
+
+
+def test_bombs_are_refused_before_anything_is_read(tmp_path):
+    """A config.json that declares 128 MiB, and a weights member that declares 300 MiB and
+    stores under 1: refused from the archive's directory, before a byte is decompressed."""
+    _zip_with(tmp_path / "config.keras", [("config.json", b" " * (1 << 20), 128)])
+    with pytest.raises(ValueError, match=r"declares a config.json of 128.0 MiB; a model's"):
+        tfmixprec.audit(tmp_path / "config.keras")
+    _zip_with(
+        tmp_path / "weights.keras",
+        [("config.json", b"{}", 1), ("model.weights.h5", b"\0" * (1 << 20), 300)],
+    )
+    with pytest.raises(ValueError, match=r"'model.weights.h5', which declares 300.0 MiB but"):
+        tfmixprec.audit(tmp_path / "weights.keras")

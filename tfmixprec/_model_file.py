@@ -80,6 +80,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, bool | Non
         )
     if zipfile.is_zipfile(path):
         with _load_errors(path), zipfile.ZipFile(path) as archive:
+            _refuse_bombs(path, archive)
             config = _json_object(path, "config.json", archive.read("config.json"))
         compile_config = config.get("compile_config")
         if not isinstance(compile_config, (dict, type(None))):
@@ -95,6 +96,35 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, bool | Non
         f"{str(path)!r} is not a Keras model file (.keras is a zip archive; save the model "
         "with model.save('model.keras'))."
     )
+
+
+# What a model file's members may declare before any is read: a model's config is small, and a
+# member far larger uncompressed than stored is a decompression bomb (Keras's own guard, with
+# the same ratio, starts at 4 GiB and runs after a first read of the config).
+CONFIG_LIMIT = 64 << 20
+EXPANSION_LIMIT, EXPANSION_FLOOR = 100, 256 << 20
+
+
+def _refuse_bombs(path: Path, archive: zipfile.ZipFile) -> None:
+    """Raises for a member whose declared size would cost the audit memory or time it should
+    not spend: a `config.json` over `CONFIG_LIMIT`, or any member that declares over
+    `EXPANSION_FLOOR` and over `EXPANSION_LIMIT` times what it stores."""
+    for info in archive.infolist():
+        mib = info.file_size / (1 << 20)
+        if info.filename == "config.json" and info.file_size > CONFIG_LIMIT:
+            raise ValueError(
+                f"{str(path)!r} declares a config.json of {mib:.1f} MiB; a model's config is "
+                f"far smaller (the audit reads at most {CONFIG_LIMIT >> 20} MiB): not a file "
+                "Keras wrote."
+            )
+        if info.file_size > EXPANSION_FLOOR and info.file_size > EXPANSION_LIMIT * max(
+            info.compress_size, 1
+        ):
+            raise ValueError(
+                f"{str(path)!r} holds {info.filename!r}, which declares {mib:.1f} MiB but "
+                f"stores {info.compress_size / (1 << 20):.1f} MiB: a decompression bomb, "
+                "not a file Keras wrote."
+            )
 
 
 def _json_object(path: Path, member: str, text: Any) -> dict[str, Any]:
