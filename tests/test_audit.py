@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import zipfile
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -751,3 +752,28 @@ def test_bombs_are_refused_before_anything_is_read(tmp_path):
     )
     with pytest.raises(ValueError, match=r"'model.weights.h5', which declares 300.0 MiB but"):
         tfmixprec.audit(tmp_path / "weights.keras")
+
+
+def test_fuzzed_files_end_in_a_documented_exit_code(tmp_path):
+    """400 mutated .keras and .h5 files (bit flips, truncations, re-zipped with members
+    dropped, doubled, renamed or added, configs mutated to name code and odd values) through
+    `tfmixprec audit FILE`, in one process whose folder holds packages named like trusted
+    ones: each ends with exit 0, 1 or 2 within seconds, nothing escapes the command, nothing
+    is imported, and memory stays bounded."""
+    worker = Path(__file__).parent / "workers" / "fuzz_audit.py"
+    done = subprocess.run(
+        [sys.executable, str(worker), "--out", str(tmp_path), "--files", "400", "--seed", "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads((tmp_path / "fuzz.json").read_text())
+    escaped = [(r["file"], r["escaped"]) for r in found["results"] if r["escaped"]]
+    assert escaped == []
+    assert {r["code"] for r in found["results"]} <= {0, 1, 2}
+    assert found["ran"] == []  # no marker: no planted package was imported
+    assert max(r["seconds"] for r in found["results"]) < 30
+    assert found["peak_mib"] < 4096
