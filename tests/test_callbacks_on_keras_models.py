@@ -202,3 +202,56 @@ def test_adoption_under_a_mirrored_strategy(two_cpu_strategy, capsys):
     assert opt.read_state()["iterations"] == 7
     # Keras built its optimizer before on_train_begin (fit's symbolic build under a strategy).
     assert "its state carried over" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("order", ["backup first", "backup last"])
+def test_backup_and_restore_in_any_order_resumes_the_loss_scale_exactly(tmp_path, order):
+    """A plain model compiled the Keras way: the tfmixprec callback adopts Keras's optimizer
+    when Keras sets its model, before any callback's on_train_begin, so BackupAndRestore
+    restores into tfmixprec's optimizer wherever it is listed (listed first, it met Keras's
+    2-variable optimizer and the scale and counters started over)."""
+    x, y = _data(bad_batches=(1,), batches=8)  # step 1 overflows: scale 32768 -> 16384
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                raise RuntimeError("interrupted")
+
+    def callbacks(*extra):
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=4)
+        monitor = LossScaleMonitor()
+        return [backup, monitor, *extra] if order == "backup first" else [monitor, backup, *extra]
+
+    def fresh():
+        model = _model("mixed_float16")
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    seen = {}
+
+    class AtBackup(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:  # the backup's step (save_freq=4)
+                seen["state"] = self.model.optimizer.read_state()
+                seen["weights"] = self.model.get_weights()
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fresh().fit(
+            x,
+            y,
+            batch_size=BATCH,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks(AtBackup(), Stop()),
+        )
+    resumed = {}
+
+    class AtResume(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            resumed["state"] = self.model.optimizer.read_state()
+            resumed["weights"] = self.model.get_weights()
+
+    fresh().fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=callbacks(AtResume()))
+    assert seen["state"]["loss_scale"] == 16384.0 and seen["state"]["overflow_steps"] == 1
+    assert resumed["state"] == seen["state"]
+    assert all((a == b).all() for a, b in zip(resumed["weights"], seen["weights"]))

@@ -26,7 +26,12 @@ from tfmixprec.diagnosis import (
     stop_keeping_for_callbacks,
 )
 from tfmixprec.loss_scale import LOG_KEYS, format_scale
-from tfmixprec.optimizer import LossScaleOptimizer, _adopt_loss_scaling, _loss_scaling_of
+from tfmixprec.optimizer import (
+    LossScaleOptimizer,
+    _adopt_loss_scaling,
+    _adopt_when_set,
+    _loss_scaling_of,
+)
 
 __all__ = ["LossScaleMonitor", "OverflowGuard"]
 
@@ -248,6 +253,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def from_config(cls, config: dict[str, Any]) -> LossScaleMonitor:
         return cls(**config)
 
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        _adopt_when_set(model, "LossScaleMonitor")
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         opt = _adopt_loss_scaling(self.model, "LossScaleMonitor")
         self._every.start()
@@ -406,6 +415,10 @@ class OverflowGuard(keras.callbacks.Callback):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> OverflowGuard:
         return cls(**config)
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        _adopt_when_set(model, "OverflowGuard")
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         opt = _adopt_loss_scaling(self.model, "OverflowGuard")

@@ -19,7 +19,7 @@ from tfmixprec._cadence import Every
 from tfmixprec._layers import compiled_loss, loss_value
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.loss_scale import divide, multiply
-from tfmixprec.optimizer import _adopt_loss_scaling, _loss_scaling_of
+from tfmixprec.optimizer import _adopt_loss_scaling, _adopt_when_set, _loss_scaling_of
 from tfmixprec.unscaling import gradient_values
 
 __all__ = ["GradientRangeMonitor", "GradientRangeStats", "gradient_range_stats"]
@@ -236,18 +236,7 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         >>> monitor.driver is board
         True
         """
-        if callback is not None and not isinstance(callback, keras.callbacks.Callback):
-            raise TypeError(
-                "callback must be a keras.callbacks.Callback or None. "
-                f"Received: callback of type {type(callback).__name__}"
-            )
-        if callback is not None and self._driver is not None and self._driver is not callback:
-            raise ValueError(
-                f"This GradientRangeMonitor is already driven by a {type(self._driver).__name__} "
-                "callback; one monitor can have one driver (two would step it twice per batch). "
-                "Create one monitor per callback, or call drive_from(None) first. "
-                f"Received: callback of type {type(callback).__name__}"
-            )
+        _check_driver(callback, self._driver)
         self._driver = callback
 
     def _build(self) -> None:
@@ -359,6 +348,10 @@ class GradientRangeMonitor(keras.callbacks.Callback):
             logs.update(_log_values(stats))
         return True
 
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        _adopt_when_set(model, "GradientRangeMonitor")
+
     def on_train_begin(self, logs: dict | None = None) -> None:
         _adopt_loss_scaling(self.model, "GradientRangeMonitor")
         self._step = 0
@@ -385,3 +378,19 @@ def _log_values(stats: GradientRangeStats) -> dict[str, float]:
         "grad_overflow_fraction": stats.overflow_fraction,
         "grad_zero_fraction": stats.zero_fraction,
     }
+
+
+def _check_driver(callback: Any, driver: Any) -> None:
+    """Raises unless `callback` may drive a monitor whose driver is `driver`."""
+    if callback is not None and not isinstance(callback, keras.callbacks.Callback):
+        raise TypeError(
+            "callback must be a keras.callbacks.Callback or None. "
+            f"Received: callback of type {type(callback).__name__}"
+        )
+    if callback is not None and driver is not None and driver is not callback:
+        raise ValueError(
+            f"This GradientRangeMonitor is already driven by a {type(driver).__name__} "
+            "callback; one monitor can have one driver (two would step it twice per batch). "
+            "Create one monitor per callback, or call drive_from(None) first. "
+            f"Received: callback of type {type(callback).__name__}"
+        )

@@ -667,6 +667,18 @@ def _adopt_loss_scaling(model: Any, who: str) -> LossScaleOptimizer | None:
     return None
 
 
+def _adopt_when_set(model: Any, who: str) -> None:
+    """For the callbacks' `set_model`: adopts Keras's own `LossScaleOptimizer` already, before
+    any callback's `on_train_begin` (Keras sets every callback's model first), so that a
+    `BackupAndRestore` listed before a tfmixprec callback restores into tfmixprec's optimizer.
+    A model not compiled with Keras's `LossScaleOptimizer` is left to `on_train_begin`."""
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and not isinstance(
+        optimizer, LossScaleOptimizer
+    ):
+        _adopt(model, optimizer, who)
+
+
 def _adopt(model: Any, keras_optimizer: Any, who: str) -> LossScaleOptimizer:
     strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
     with strategy.scope():

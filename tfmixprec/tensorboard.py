@@ -21,7 +21,7 @@ from tfmixprec.callbacks import _Diagnoser
 from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.gradient_range import GradientRangeMonitor
 from tfmixprec.loss_scale import LOG_KEYS
-from tfmixprec.optimizer import _adopt_loss_scaling, _loss_scaling_of
+from tfmixprec.optimizer import _adopt_loss_scaling, _adopt_when_set, _loss_scaling_of
 
 __all__ = ["TensorBoard", "dashboard_layout"]  # what the package exports
 
@@ -264,6 +264,7 @@ class TensorBoard(_ChiefWrites):
 
     def set_model(self, model: Any) -> None:
         super().set_model(model)
+        _adopt_when_set(model, "tfmixprec.TensorBoard")
         if self.gradient_monitor is not None:
             self.gradient_monitor.set_model(model)
 
