@@ -3,7 +3,7 @@
 They never keep their own copy of the scale: they read the optimizer's variables, and only at
 their logging interval (values put into `logs` on other batches are tensors, not host reads).
 On a plain `keras.Model` compiled the Keras way they adopt Keras's own
-`keras.optimizers.LossScaleOptimizer` at `on_train_begin` (see `LossScaleMonitor`).
+`keras.optimizers.LossScaleOptimizer` when `fit` sets their model (see `LossScaleMonitor`).
 """
 
 from __future__ import annotations
@@ -208,9 +208,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
     `3 overflows in steps 4-11, the last at step 9 (...)`.
 
     On a plain `keras.Model` (Keras's `train_step`): under `mixed_float16`, Keras's `compile`
-    wraps the optimizer in its own `keras.optimizers.LossScaleOptimizer`; at `on_train_begin`
-    this callback (like every tfmixprec callback) replaces it by `tfmixprec.LossScaleOptimizer.
-    from_keras(...)` (same inner optimizer and settings; a used one's state carried over),
+    wraps the optimizer in its own `keras.optimizers.LossScaleOptimizer`; when `fit` sets its
+    model, before any callback's `on_train_begin` (so a `BackupAndRestore` anywhere in the list
+    restores into it), this callback (like every tfmixprec callback) replaces it by
+    `tfmixprec.LossScaleOptimizer.from_keras(...)` (same inner optimizer and settings; a used
+    one's state carried over),
     saying so in one printed line per model. Under `mixed_bfloat16` or `float32` with a plain
     optimizer there is nothing to scale: it prints once that no loss scaling is needed and
     adds no loss-scale values. A float16 model with a plain optimizer gets a
