@@ -4,8 +4,9 @@ Three variants, same model, policy, data and batch:
 
 - `keras`: `keras.Model` + `keras.optimizers.LossScaleOptimizer` + plain `fit` (the baseline);
 - `optimizer`: `keras.Model` + `tfmixprec.LossScaleOptimizer` (Keras's own train_step);
-- `full`: `tfmixprec.MixedPrecisionModel` (its train_step and optimizer) + `LossScaleMonitor` +
-  `tfmixprec.TensorBoard` at its default `update_freq` ("epoch").
+- `full`: `tfmixprec.MixedPrecisionModel` (its train_step and optimizer, the state guard
+  included: with `--batchnorm` the model's batch-norm statistics are put back on a skipped
+  step) + `LossScaleMonitor` + `tfmixprec.TensorBoard` at its default `update_freq` ("epoch").
 
 Runs alternate in one process (A, B, C, C, B, A, ...) so drift hits all alike; the figures are
 the medians of the paired ratios to `keras`.
@@ -18,6 +19,7 @@ TensorFlow's one device-to-host read of an eager tensor (`EagerTensor._numpy`, b
 only: the difference to `keras` is what tfmixprec adds per step.
 
     python benchmarks/overhead.py                       # mixed_bfloat16 (this CPU's policy)
+    python benchmarks/overhead.py --batchnorm           # with state the guard puts back
     python benchmarks/overhead.py --policy mixed_float16 --width 2048   # on a GPU
 """
 
@@ -74,6 +76,8 @@ def build(kind: str, args: argparse.Namespace, log_dir: str):
     h = inputs
     for _ in range(args.depth):
         h = keras.layers.Dense(args.width, activation="relu")(h)
+        if args.batchnorm:  # non-trainable state the full stack guards on a skipped step
+            h = keras.layers.BatchNormalization()(h)
     outputs = keras.layers.Dense(10, activation="softmax", dtype="float32")(h)
     model = cls(inputs, outputs)
     inner = keras.optimizers.Adam(1e-4)
@@ -104,6 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=30, help="steps per timed run")
     parser.add_argument("--repeats", type=int, default=40, help="timed runs per variant")
     parser.add_argument("--jit-compile", action="store_true")
+    parser.add_argument(
+        "--batchnorm", action="store_true", help="a BatchNormalization after each Dense"
+    )
     args = parser.parse_args(argv)
 
     keras.config.set_dtype_policy(args.policy)
@@ -140,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"policy={args.policy} MLP {args.depth}x{args.width} features={args.features} "
         f"batch={args.batch} steps/run={args.steps} repeats={args.repeats} "
-        f"jit_compile={args.jit_compile}"
+        f"jit_compile={args.jit_compile} batchnorm={args.batchnorm}"
     )
     for kind in VARIANTS:
         print(

@@ -42,7 +42,9 @@ def test_diagnose_on_a_kerashub_task_model_that_overflows(capsys):
     assert diagnosis.layer is not None  # the first layer whose gradients overflowed
     printed = capsys.readouterr().out
     assert "overflow step 0 (0-based, skipped steps counted): backward-overflow in layer" in printed
-    assert "train_step" not in vars(entry.model)  # the task's own step again after the fit
+    # No keeping after the fit (the step keeps the state guard of the adopted optimizer).
+    assert not hasattr(vars(entry.model)["train_step"], "_tfmixprec_replaced_step")
+    assert vars(entry.model)["train_step"].tfmixprec_guarded
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])

@@ -35,6 +35,7 @@ from tfmixprec.policy import choose_policy
 from tfmixprec.policy import float32_outputs
 from tfmixprec.policy import policy_scope
 from tfmixprec.policy import set_policy
+from tfmixprec.state_guard import guard_state
 from tfmixprec.tensorboard import TensorBoard
 from tfmixprec.tensorboard import dashboard_layout
 from tfmixprec.training import MixedPrecisionFunctional
@@ -80,6 +81,7 @@ __all__ = [
     "explain_overflow",
     "float32_outputs",
     "gradient_range_stats",
+    "guard_state",
     "make_train_step",
     "overflow_report",
     "policy_scope",

@@ -38,6 +38,7 @@ from tfmixprec.loss_scale import (
     read_now,
     reset_longest_overflow_run,
 )
+from tfmixprec.state_guard import guarded_step
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -222,10 +223,18 @@ class _LossScaleReadout:
         they include that step). See `LossScale.snapshot`. With accumulation only the
         micro-batch that ends a window can be an overflow step: `overflow` is 0 inside one."""
         values = self._loss_scale.snapshot(self.iterations)
+        values["overflow"] = tf.cast(self.skipped(), tf.float32)
+        return values
+
+    def skipped(self) -> tf.Tensor:
+        """Whether the step that just ran was skipped (a scalar bool, read in the graph):
+        after `apply`, its gradients were not finite. With accumulation only the micro-batch
+        that ends a window can be skipped."""
+        skipped = read_now(self._loss_scale.consecutive_overflows) > 0
         if self._accumulator is not None:
             ended = tf.equal(read_now(self._accumulator.micro_step), 0)
-            values["overflow"] = values["overflow"] * tf.cast(ended, tf.float32)
-        return values
+            skipped = tf.logical_and(skipped, ended)
+        return skipped
 
     def read_state(self) -> dict[str, float | int]:
         """Reads the whole scale state to the host as Python numbers (also under strategies).
@@ -685,6 +694,8 @@ def _adopt(model: Any, keras_optimizer: Any, who: str) -> LossScaleOptimizer:
         new = LossScaleOptimizer.from_keras(keras_optimizer)
     model.optimizer = new
     set_compiled_optimizer(model, new)  # so model.save writes the new one
+    if not getattr(model.train_step, "tfmixprec_guarded", False):  # a skipped step: no change
+        model.train_step = guarded_step(model, model.train_step)
     model.make_train_function(force=True)  # traced with the new optimizer
     carried = "; its state carried over" if keras_optimizer.built else ""
     line = (

@@ -29,6 +29,7 @@ from tfmixprec.diagnosis import (
 )
 from tfmixprec.loss_scale import default_config
 from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.state_guard import guard_state
 
 __all__ = [
     "MixedPrecisionMixin",
@@ -214,7 +215,8 @@ class MixedPrecisionMixin(MultiWorkerFit):
                 "MixedPrecisionModel.train_step needs a tfmixprec.LossScaleOptimizer; compile "
                 f"the model with compile(). Received: optimizer={self.optimizer!r}"
             )
-        logs = dict(super().train_step(data))
+        with guard_state(self, self.optimizer):  # a skipped step changes no variable
+            logs = dict(super().train_step(data))
         logs.update(self.optimizer.snapshot())
         return logs
 
@@ -366,15 +368,16 @@ def make_train_step(
     optimizer = _optimizer_for(model, optimizer)
 
     def step(x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
-        with tf.GradientTape() as tape:
-            y_pred = model(x, training=True)
-            if sample_weight is None:
-                loss = loss_fn(y, y_pred)
-            else:
-                loss = loss_fn(y, y_pred, sample_weight)
-            scaled_loss = optimizer.scale_loss(loss)
-        variables = model.trainable_variables
-        optimizer.apply(tape.gradient(scaled_loss, variables), variables)
+        with guard_state(model, optimizer):  # a skipped step changes no variable
+            with tf.GradientTape() as tape:
+                y_pred = model(x, training=True)
+                if sample_weight is None:
+                    loss = loss_fn(y, y_pred)
+                else:
+                    loss = loss_fn(y, y_pred, sample_weight)
+                scaled_loss = optimizer.scale_loss(loss)
+            variables = model.trainable_variables
+            optimizer.apply(tape.gradient(scaled_loss, variables), variables)
         return {"loss": ops.cast(loss, "float32"), **optimizer.snapshot()}
 
     compiled = tf.function(step, jit_compile=jit_compile)

@@ -1,0 +1,149 @@
+"""A skipped step changes no variable, non-trainable state included (tfmixprec.guard_state):
+BatchNormalization's moving statistics and a dropout's seed after a float16 overflow step, in
+`fit` (MixedPrecisionModel, and a plain model whose Keras optimizer a callback adopted),
+`make_train_step`, a custom loop (eager, in one and in two tf.functions) and under 2
+replicas."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmixprec
+
+BATCH = 4
+
+
+def _model(cls=keras.Model):
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((3,))
+        hidden = keras.layers.Dense(8, name="hidden")(inputs)
+        hidden = keras.layers.BatchNormalization(name="bn")(hidden)
+        hidden = keras.layers.Dropout(0.5, name="drop")(hidden)
+        outputs = keras.layers.Dense(1, dtype="float32", name="out")(hidden)
+        return cls(inputs, outputs)
+
+
+def _data(bad=(1,)):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4 * BATCH, 3)).astype("float32")
+    for batch in bad:
+        x[batch * BATCH, 0] = 1e6  # finite, but past float16: the forward overflows
+    return x, np.ones((4 * BATCH, 1), "float32")
+
+
+def _state(model):
+    return [v.numpy().tobytes() for v in model.variables]
+
+
+class States(keras.callbacks.Callback):
+    """Every variable of the model before and after each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.before, self.after = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.before.append(_state(self.model))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.after.append(_state(self.model))
+
+
+@pytest.mark.parametrize("kind", ["MixedPrecisionModel", "adopted keras.Model"])
+def test_a_skipped_step_in_fit_changes_no_variable(kind):
+    # A scale of 1, so that only the batch whose activations pass float16's range overflows.
+    if kind == "MixedPrecisionModel":
+        model = _model(tfmixprec.MixedPrecisionModel)
+        model.compile(optimizer=tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0), loss="mse")
+        callbacks = []
+    else:
+        model = _model()
+        keras_optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), 1.0)
+        model.compile(optimizer=keras_optimizer, loss="mse")
+        callbacks = [tfmixprec.LossScaleMonitor()]
+    states = States()
+    model.fit(*_data(), batch_size=BATCH, shuffle=False, verbose=0, callbacks=[*callbacks, states])
+    assert model.optimizer.read_state()["overflow_steps"] == 1
+    assert states.after[1] == states.before[1]  # the skipped step: every variable bit-identical
+    assert states.after[2] != states.before[2]  # applied steps change the statistics
+    moving = [model.get_layer("bn").moving_mean, model.get_layer("bn").moving_variance]
+    assert all(np.isfinite(v.numpy()).all() for v in moving)
+    predicted = model.predict(_data(bad=())[0], verbose=0)
+    assert np.isfinite(predicted).all()
+
+
+def test_keras_own_optimizer_writes_nan_statistics_on_the_skipped_step():
+    """What the guard prevents: Keras's LossScaleOptimizer skips the weights but the forward
+    pass has written NaN into the moving statistics, and predict returns NaN after it."""
+    model = _model()
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), 1.0), loss="mse"
+    )
+    model.fit(*_data(), batch_size=BATCH, shuffle=False, verbose=0)
+    assert not np.isfinite(model.get_layer("bn").moving_variance.numpy()).all()
+    assert not np.isfinite(model.predict(_data(bad=())[0], verbose=0)).all()
+
+
+def test_make_train_step_skips_without_changing_state():
+    model = _model()
+    opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0)
+    step = tfmixprec.make_train_step(model, keras.losses.MeanSquaredError(), opt)
+    x, y = _data()
+    logs = step(x[:BATCH], y[:BATCH])
+    before = _state(model)
+    logs = step(x[BATCH : 2 * BATCH], y[BATCH : 2 * BATCH])
+    assert float(logs["overflow"]) == 1.0 and _state(model) == before
+
+
+@pytest.mark.parametrize("mode", ["eager", "one function", "two functions"])
+def test_a_custom_loop_with_guard_state(mode):
+    model = _model()
+    opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=1.0)
+    opt.build(model.trainable_variables)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    def forward_and_apply(x, y):
+        with tfmixprec.guard_state(model, opt):
+            with tf.GradientTape() as tape:
+                scaled = opt.scale_loss(loss_fn(y, model(x, training=True)))
+            grads = tape.gradient(scaled, model.trainable_variables)
+            opt.apply(grads, model.trainable_variables)
+
+    if mode == "eager":
+        step = forward_and_apply
+    elif mode == "one function":
+        step = tf.function(forward_and_apply)
+    else:  # the guard's read in one function, the step in another: values passed, no state
+        inner = tf.function(forward_and_apply)
+        step = tf.function(lambda x, y: inner(x, y))
+    x, y = _data()
+    step(x[:BATCH], y[:BATCH])
+    before = _state(model)
+    step(x[BATCH : 2 * BATCH], y[BATCH : 2 * BATCH])
+    assert opt.read_state()["overflow_steps"] == 1 and _state(model) == before
+    step(x[2 * BATCH : 3 * BATCH], y[2 * BATCH : 3 * BATCH])
+    assert _state(model) != before
+
+
+def test_under_two_replicas_each_copy_is_put_back(two_cpu_strategy):
+    with two_cpu_strategy.scope():
+        model = _model(tfmixprec.MixedPrecisionModel)
+        opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0)
+        model.compile(optimizer=opt, loss="mse")
+    states = States()
+    x, y = _data(bad=(1,))
+    model.fit(x, y, batch_size=2 * BATCH, shuffle=False, verbose=0, callbacks=[states])
+    # Global batch 1 of 2 holds the overflow (in replica 0's half): skipped on both replicas.
+    overflows = model.optimizer.read_state()["overflow_steps"]
+    assert overflows == 1 and states.after[0] == states.before[0]
+    bn = model.get_layer("bn")
+    copies = [v.numpy() for v in two_cpu_strategy.experimental_local_results(bn.moving_variance)]
+    assert all(np.isfinite(c).all() for c in copies)
+
+
+def test_guard_state_bad_input():
+    with pytest.raises(TypeError, match=r"guard_state needs the tfmixprec.LossScaleOptimizer"):
+        with tfmixprec.guard_state(_model(), keras.optimizers.SGD()):
+            pass

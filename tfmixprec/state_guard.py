@@ -1,0 +1,81 @@
+"""A skipped step changes no variable: the model's non-trainable state put back on a skip.
+
+The optimizer leaves weights, slots and `iterations` alone on an overflow step, but the forward
+pass has already run by then, and it writes state of its own: `BatchNormalization`'s moving
+mean and variance (with NaN, on an overflow of float16 activations), a dropout layer's seed.
+`guard_state(model, optimizer)` reads that state before the step and, after it, assigns it
+back where the optimizer skipped the step, in the graph (no host read): on a skipped step every
+variable of the model is as it was, bit for bit; on an applied step the assignments write the
+values the step made. `MixedPrecisionModel`'s `train_step`, `make_train_step` and the train
+step of a model whose Keras `LossScaleOptimizer` a tfmixprec callback adopted use it; a custom
+loop wraps its step in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfmixprec._keras_compat import update_each_copy
+from tfmixprec.loss_scale import read_now
+
+__all__ = ["guard_state"]
+
+
+def _restore(copy: tf.Variable, skipped: tf.Tensor, saved: tf.Tensor) -> Any:
+    return copy.assign(tf.where(skipped, saved, copy.read_value()))
+
+
+@contextlib.contextmanager
+def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
+    """Puts the model's non-trainable variables back as they were before the block if the
+    optimizer skipped the step the block ran.
+
+    Use it inside the step, around the forward pass and `optimizer.apply` (eager or in a
+    `tf.function`, under a strategy too: each replica puts back its own copies). With gradient
+    accumulation a skipped window's last micro-batch is put back; the earlier micro-batches'
+    state stays (a window is not one step of the forward pass).
+
+    Args:
+        model: `keras.Model`. Its `non_trainable_variables` are guarded.
+        optimizer: `tfmixprec.LossScaleOptimizer`. It says whether the step was skipped.
+
+    Raises:
+        TypeError: If `optimizer` is not a tfmixprec `LossScaleOptimizer`.
+
+    Example:
+
+    >>> opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD())
+    >>> with tfmixprec.guard_state(model, opt):
+    ...     with tf.GradientTape() as tape:
+    ...         scaled = opt.scale_loss(loss_fn(y, model(x, training=True)))
+    ...     opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+    """
+    if not callable(getattr(optimizer, "skipped", None)):
+        raise TypeError(
+            "guard_state needs the tfmixprec.LossScaleOptimizer that applies the step (it says "
+            f"whether the step was skipped). Received: optimizer of type "
+            f"{type(optimizer).__name__}"
+        )
+    variables = list(model.non_trainable_variables)
+    saved = [read_now(variable) for variable in variables]
+    yield
+    if variables:
+        skipped = optimizer.skipped()
+        update_each_copy([(v, _restore, (skipped, s)) for v, s in zip(variables, saved)])
+
+
+def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`step` (a `train_step`) inside `guard_state(model, model.optimizer)`: for a model whose
+    Keras `LossScaleOptimizer` a callback adopted (the optimizer is read while tracing)."""
+
+    def guarded(data: Any) -> Any:
+        with guard_state(model, model.optimizer):
+            return step(data)
+
+    guarded.tfmixprec_guarded = True  # wrapped once
+    return guarded
