@@ -64,9 +64,20 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
     variables = list(model.non_trainable_variables)
     saved = [read_now(variable) for variable in variables]
     yield
-    if variables:
-        skipped = optimizer.skipped()
+    if not variables:
+        return
+    skipped = optimizer.skipped()
+    if tf.distribute.has_strategy():  # each replica its own copies, in one merge_call
         update_each_copy([(v, _restore, (skipped, s)) for v, s in zip(variables, saved)])
+        return
+
+    def restore() -> tf.Tensor:
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
+        return tf.constant(True)
+
+    # No strategy: a clean step only evaluates the flag (no assignment).
+    tf.cond(skipped, restore, lambda: tf.constant(False))
 
 
 def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[Any], Any]:
