@@ -195,17 +195,21 @@ def test_no_overflow_report_and_bad_input():
 
 
 def test_a_file_from_before_the_attribution_loads():
-    # tfmixprec 0.1 saved the optimizer without last_overflow_scale and the two vectors.
+    # tfmixprec 0.1 saved the optimizer by position without last_overflow_scale, the two
+    # vectors and OverflowGuard's two counters (files really written by 0.1: test_state_file).
     model, opt = _sgd_model()
     opt.apply(_dense_grads(model.trainable_variables, [1]), model.trainable_variables)
     added = {id(v) for v in opt._loss_scale.attribution_variables()}
-    assert len(added) == 3
+    added |= {id(opt.min_scale_overflows), id(opt.longest_overflow_run)}
+    assert len(added) == 5
     old_store = {}
     for i, variable in enumerate(v for v in opt.variables if id(v) not in added):
         old_store[str(i)] = variable.numpy()
     fresh_model, fresh = _sgd_model()
     fresh.load_own_variables(old_store)
-    assert fresh.read_state() == opt.read_state()  # the scale and counters came back
+    # The scale and counters 0.1 had came back; OverflowGuard's two start fresh.
+    expected = {**opt.read_state(), "min_scale_overflows": 0, "longest_overflow_run": 0}
+    assert fresh.read_state() == expected
     assert _counts(fresh) == ([0, 0, 0, 0], [-1, -1, -1, -1])  # attribution starts empty
 
 

@@ -235,6 +235,19 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
     def _stateful_handle_non_finite_grads(self) -> None:
         self.skip_step()
 
+    # Why: TensorFlow checkpoints (`tf.train.Checkpoint`) reach an optimizer's variables
+    # through Keras's private `_variables` list, by position: a tfmixprec release that added
+    # a state variable shifted the rest, and a checkpoint of one release restored into the
+    # wrong variables of the next (0.2.0 into 0.3.0: a shape error). Every tfmixprec state
+    # variable is also an attribute of its loss-scale unit or its accumulator (tracked by
+    # name: `_loss_scale/overflow_steps`, ...), and Keras's own two by `_iterations` and
+    # `_learning_rate`: without the positional list, a checkpoint of any release restores
+    # each variable by its name, and what an older one lacks stays as it is.
+    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict:
+        children = dict(super()._trackable_children(save_type, **kwargs))
+        children.pop("_variables", None)
+        return children
+
     # Why: Keras keeps these as private helpers of the base optimizer.
     def tracked_variables(self) -> list[Any]:
         """The variables the optimizer was built with."""

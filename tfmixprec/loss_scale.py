@@ -446,12 +446,6 @@ def min_scale_report(state: LossScale) -> str | None:
     )
 
 
-def later_variables(state: LossScale) -> list[list[Any]]:
-    """Per release after 0.1, the variables of `state` it added (a file from before lacks
-    them): the overflow attribution (0.2.0), then `OverflowGuard`'s counters (0.3.0)."""
-    return [state.attribution_variables(), [state.min_scale_overflows, state.longest_overflow_run]]
-
-
 def reset_longest_overflow_run(state: LossScale) -> None:
     """Starts `state.longest_overflow_run` from 0 again (outside the step: `OverflowGuard` does
     at `on_train_begin`); a run still going on counts whole at its next overflow."""

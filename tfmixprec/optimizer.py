@@ -23,6 +23,7 @@ from tfmixprec._keras_compat import (
     set_compiled_optimizer,
 )
 from tfmixprec._layers import iter_layers
+from tfmixprec._state_file import load, save
 from tfmixprec._validate import check_int_at_least_one, is_number
 from tfmixprec.accumulation import GradientAccumulator
 from tfmixprec.attribution import OverflowReport, build_report
@@ -32,7 +33,6 @@ from tfmixprec.loss_scale import (
     all_finite,
     check,
     format_scale,
-    later_variables,
     min_scale_report,
     nonfinite_flags,
     read_now,
@@ -329,20 +329,23 @@ class _LossScaleReadout:
         return summed
 
     # ------------------------------------------------------------ serialization
+    def save_own_variables(self, store: Any) -> None:
+        """Writes the state for a `.keras` / `.weights.h5` file: tfmixprec's own variables by
+        name, with a format version (see `tfmixprec._state_file`), the inner optimizer's by
+        position."""
+        save(*self._own_and_inner(), store)
+
     def load_own_variables(self, store: Any) -> None:
-        """Loads the variables of a `.keras` file. A file written before a release that added
-        state variables loads too (tfmixprec 0.1: no overflow attribution; 0.2.0: no
-        `min_scale_overflows` / `longest_overflow_run`); what it lacks starts fresh."""
-        groups = later_variables(self._loss_scale)
-        for size in range(1, 2 ** len(groups)):  # every combination of missing groups
-            missing = [v for i, group in enumerate(groups) if size >> i & 1 for v in group]
-            if len(store.keys()) == len(self.variables) - len(missing):
-                skipped = {id(variable) for variable in missing}
-                older = [v for v in self.variables if id(v) not in skipped]
-                for i, variable in enumerate(older):
-                    variable.assign(store[str(i)])
-                return
-        super().load_own_variables(store)
+        """Reads a file's state: by name; a file from tfmixprec 0.1 to 0.3 (by position)
+        through the layout of the release that wrote it (what it lacks starts fresh). A file
+        whose state does not fit this optimizer is refused with a `ValueError` before
+        anything is assigned."""
+        load(*self._own_and_inner(), store, f"optimizer {self.name!r}")
+
+    def _own_and_inner(self) -> tuple[list[Any], list[Any]]:
+        inner = list(self.inner_optimizer.variables)
+        everything = list(self.variables)  # its own, then the inner optimizer's
+        return everything[: len(everything) - len(inner)], inner
 
     def get_config(self) -> dict[str, Any]:
         """Every knob (Keras's key `dynamic_growth_steps` for the interval) and the inner

@@ -1,0 +1,182 @@
+"""The optimizer's state in files, by name (tfmixprec._state_file): files and checkpoints that
+tfmixprec 0.1, 0.2.0 and 0.3.0 wrote (checked out of git history and run here) load exactly;
+today's files are by name with a format version; a state that does not fit is refused before
+anything is assigned."""
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import warnings
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmixprec
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "workers"))
+from legacy_state_worker import model_and_optimizer  # noqa: E402
+
+# The last commit of each release before the state was saved by name.
+RELEASES = {"0.1.0": "559b46d", "0.2.0": "6c2656e", "0.3.0": "954899b"}
+
+
+@pytest.fixture(scope="module")
+def legacy(tmp_path_factory):
+    """{release: folder}: each release's files, written by that release's own code."""
+    folders = {}
+    for release, commit in RELEASES.items():
+        folder = tmp_path_factory.mktemp(f"v{release}")
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", commit, "tfmixprec"],
+            capture_output=True,
+            timeout=60,
+        )
+        assert archive.returncode == 0, (
+            f"the test checks tfmixprec {release} out of git history (commit {commit}); "
+            f"run it in a clone with history: {archive.stderr.decode()[-500:]}"
+        )
+        (folder / "code.tar").write_bytes(archive.stdout)
+        with tarfile.open(folder / "code.tar") as tar:
+            tar.extractall(folder / "code", filter="data")
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "tests" / "workers" / "legacy_state_worker.py"),
+                "--out",
+                str(folder),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=folder,
+            env=dict(os.environ, PYTHONPATH=str(folder / "code"), TF_CPP_MIN_LOG_LEVEL="2"),
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        folders[release] = folder
+    return folders
+
+
+def _by_name(variables):
+    """{(name, occurrence): value} of an optimizer's own variables (up to its inner
+    optimizer's `iteration`), and {("inner", position): value} of its inner optimizer's, whose
+    slot names carry layer names that differ from process to process."""
+    seen, values, inner = {}, {}, None
+    for name, value in variables:
+        if name == "iteration" and "iteration" in seen:
+            inner = 0
+        if inner is not None:
+            values[("inner", inner)], inner = np.asarray(value), inner + 1
+            continue
+        values[(name, seen.get(name, 0))] = np.asarray(value)
+        seen[name] = seen.get(name, 0) + 1
+    return values
+
+
+def _saved(folder, accumulation):
+    saved = json.loads((folder / f"acc{accumulation}.json").read_text())
+    return saved["version"], _by_name(saved["variables"])
+
+
+def _today(opt):
+    return _by_name((v.path.split("/")[-1], v.numpy()) for v in opt.variables)
+
+
+def _assert_loaded_exactly(saved, opt, untouched):
+    """Every value the release saved is in today's variable of its name (0.1's one window
+    flag as today's per-variable flags); the variables it did not have are `untouched`."""
+    today = _today(opt)
+    for (name, k), value in saved.items():
+        if name == "window_finite":
+            flags = today[("window_nonfinite", 0)]
+            assert (flags == 1 - int(value)).all()
+            continue
+        assert np.array_equal(today[(name, k)], value), (name, k)
+    for key, value in untouched.items():
+        if key not in saved:
+            assert np.array_equal(today[key], value), key
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_a_keras_file_of_an_earlier_release_loads_exactly(legacy, release, accumulation):
+    version, saved = _saved(legacy[release], accumulation)
+    assert version == release
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Skipping variable loading": all of it loads
+        model = keras.models.load_model(legacy[release] / f"acc{accumulation}.keras")
+    fresh = {("min_scale_overflows", 0): 0, ("longest_overflow_run", 0): 0}
+    _assert_loaded_exactly(saved, model.optimizer, fresh)
+    assert model.optimizer.read_state()["overflow_steps"] == 1
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_a_checkpoint_of_an_earlier_release_restores_by_name(legacy, release, accumulation):
+    """Restored by name (0.2.0's used to fail in 0.3.0 with a shape error): what the release
+    had comes back; what it lacked stays as it was (77 here)."""
+    _, saved = _saved(legacy[release], accumulation)
+    model, opt = model_and_optimizer(accumulation)
+    opt.build(model.trainable_variables)
+    opt.min_scale_overflows.assign(77)
+    tf.train.Checkpoint(model=model, optimizer=opt).restore(
+        str(legacy[release] / f"acc{accumulation}-ckpt")
+    ).expect_partial()
+    _assert_loaded_exactly(saved, opt, {("min_scale_overflows", 0): 77})
+
+
+def _trained(accumulation, steps):
+    model, opt = model_and_optimizer(accumulation)
+    model.compile(optimizer=opt, loss="mse")
+    x = np.random.default_rng(1).normal(size=(4 * steps, 3)).astype("float32")
+    x[4, 0] = np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a fit ending inside a window says so
+        model.fit(x, np.ones((4 * steps, 2), "float32"), batch_size=4, shuffle=False, verbose=0)
+    return model, opt
+
+
+def test_todays_file_is_by_name_and_round_trips_exactly(tmp_path):
+    model, opt = _trained(accumulation=3, steps=5)  # one window applied, two micro-batches summed
+    store = {}
+    opt.save_own_variables(store)
+    assert store["tfmixprec_state_format"] == 1
+    names = {"micro_step", "accumulated_gradient_3", "min_scale_overflows", "inner_0"}
+    assert names <= set(store)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert _today(loaded.optimizer).keys() == _today(opt).keys()
+    for key, value in _today(opt).items():
+        assert np.array_equal(_today(loaded.optimizer)[key], value), key
+
+
+def test_a_state_that_does_not_fit_is_refused_before_anything_is_assigned():
+    """An accumulating optimizer (2 + n variables more, n = 3 here: the count of a 0.2.0
+    file's) and a file without accumulation: refused, naming why; nothing assigned, and with
+    skip_mismatch Keras skips it."""
+    model, opt = _trained(accumulation=1, steps=4)
+    store = {}
+    opt.save_own_variables(store)
+    inputs = keras.Input((3,))
+    other = keras.Model(
+        inputs, keras.layers.Dense(2)(inputs)
+    )  # 2 weights: 2 sums, n = 3 with micro
+    accumulating = tfmixprec.LossScaleOptimizer("adam", accumulation_steps=2)
+    accumulating.build(other.trainable_variables)
+    before = [v.numpy().copy() for v in accumulating.variables]
+    with pytest.raises(
+        ValueError, match=r"this optimizer accumulates gradients and the file's did not"
+    ):
+        accumulating.load_own_variables(store)
+    assert all((a == v.numpy()).all() for a, v in zip(before, accumulating.variables))
+    positional = {str(i): value for i, value in enumerate(v.numpy() for v in opt.variables[:-1])}
+    with pytest.raises(ValueError, match=r"matches no layout of tfmixprec 0.1 to 0.3"):
+        opt.load_own_variables(positional)
+    newer = {**store, "tfmixprec_state_format": np.array(9)}
+    with pytest.raises(ValueError, match=r"format 9, written by a newer tfmixprec"):
+        opt.load_own_variables(newer)
