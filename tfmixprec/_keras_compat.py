@@ -243,9 +243,12 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
     # name: `_loss_scale/overflow_steps`, ...), and Keras's own two by `_iterations` and
     # `_learning_rate`: without the positional list, a checkpoint of any release restores
     # each variable by its name, and what an older one lacks stays as it is.
+    # Keras's own LossScaleOptimizer also tracks its two variables by name (`step_counter`,
+    # `dynamic_scale`): under those names a checkpoint of Keras's restores into tfmixprec's.
     def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict:
         children = dict(super()._trackable_children(save_type, **kwargs))
         children.pop("_variables", None)
+        children.update(step_counter=self.step_counter, dynamic_scale=self.dynamic_scale)
         return children
 
     # Why: Keras keeps these as private helpers of the base optimizer.
