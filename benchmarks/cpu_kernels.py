@@ -62,6 +62,24 @@ def _ops(size: int) -> dict:
             padding="SAME",
         )
 
+    def conv_input_gradient(dy, w):  # also a Conv2DTranspose forward
+        return tf.raw_ops.Conv2DBackpropInput(
+            input_sizes=[batch, pixels, pixels, channels],
+            filter=w,
+            out_backprop=dy,
+            strides=[1, 1, 1, 1],
+            padding="SAME",
+        )
+
+    def depthwise_filter_gradient(x, dy):
+        return tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+            input=x,
+            filter_sizes=[3, 3, channels, 1],
+            out_backprop=dy,
+            strides=[1, 1, 1, 1],
+            padding="SAME",
+        )
+
     normal = tf.random.normal
     return {
         "MatMul": (lambda: [normal((size, size)), normal((size, 2 * size))], matmul),
@@ -83,6 +101,20 @@ def _ops(size: int) -> dict:
                 normal((batch, pixels, pixels, channels)),
             ],
             conv_filter_gradient,
+        ),
+        "Conv2DBackpropInput": (
+            lambda: [
+                normal((batch, pixels, pixels, channels)),
+                normal((3, 3, channels, channels)),
+            ],
+            conv_input_gradient,
+        ),
+        "DepthwiseConv2dNativeBackpropFilter": (
+            lambda: [
+                normal((batch, pixels, pixels, channels)),
+                normal((batch, pixels, pixels, channels)),
+            ],
+            depthwise_filter_gradient,
         ),
     }
 

@@ -51,13 +51,19 @@ class States(keras.callbacks.Callback):
         self.after.append(_state(self.model))
 
 
-@pytest.mark.parametrize("kind", ["MixedPrecisionModel", "adopted keras.Model"])
+@pytest.mark.parametrize(
+    "kind", ["MixedPrecisionModel", "adopted keras.Model", "keras.Model with tfmixprec's optimizer"]
+)
 def test_a_skipped_step_in_fit_changes_no_variable(kind):
     # A scale of 1, so that only the batch whose activations pass float16's range overflows.
     if kind == "MixedPrecisionModel":
         model = _model(tfmixprec.MixedPrecisionModel)
         model.compile(optimizer=tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0), loss="mse")
         callbacks = []
+    elif kind == "keras.Model with tfmixprec's optimizer":
+        model = _model()
+        model.compile(optimizer=tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0), loss="mse")
+        callbacks = [tfmixprec.OverflowGuard()]
     else:
         model = _model()
         keras_optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), 1.0)

@@ -683,12 +683,21 @@ def _adopt_when_set(model: Any, who: str) -> None:
     """For the callbacks' `set_model`: adopts Keras's own `LossScaleOptimizer` already, before
     any callback's `on_train_begin` (Keras sets every callback's model first), so that a
     `BackupAndRestore` listed before a tfmixprec callback restores into tfmixprec's optimizer.
-    A model not compiled with Keras's `LossScaleOptimizer` is left to `on_train_begin`."""
+    A model compiled with tfmixprec's own has Keras's `train_step` guarded (its skipped steps
+    put back the state the forward pass wrote); any other is left to `on_train_begin`."""
     optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and not isinstance(
-        optimizer, LossScaleOptimizer
-    ):
+    if isinstance(optimizer, LossScaleOptimizer):
+        _guard_train_step(model)
+    elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         _adopt(model, optimizer, who)
+
+
+def _guard_train_step(model: Any) -> None:
+    """Wraps the model's `train_step` in `guard_state` once (a skipped step changes no
+    variable) and has `fit` trace it again."""
+    if not getattr(model.train_step, "tfmixprec_guarded", False):
+        model.train_step = guarded_step(model, model.train_step)
+        model.make_train_function(force=True)
 
 
 def _adopt(model: Any, keras_optimizer: Any, who: str) -> LossScaleOptimizer:
@@ -697,8 +706,7 @@ def _adopt(model: Any, keras_optimizer: Any, who: str) -> LossScaleOptimizer:
         new = LossScaleOptimizer.from_keras(keras_optimizer)
     model.optimizer = new
     set_compiled_optimizer(model, new)  # so model.save writes the new one
-    if not getattr(model.train_step, "tfmixprec_guarded", False):  # a skipped step: no change
-        model.train_step = guarded_step(model, model.train_step)
+    _guard_train_step(model)  # a skipped step changes no variable
     model.make_train_function(force=True)  # traced with the new optimizer
     carried = "; its state carried over" if keras_optimizer.built else ""
     line = (

@@ -7,8 +7,8 @@ mean and variance (with NaN, on an overflow of float16 activations), a dropout l
 back where the optimizer skipped the step, in the graph (no host read): on a skipped step every
 variable of the model is as it was, bit for bit; on an applied step the assignments write the
 values the step made. `MixedPrecisionModel`'s `train_step`, `make_train_step` and the train
-step of a model whose Keras `LossScaleOptimizer` a tfmixprec callback adopted use it; a custom
-loop wraps its step in it.
+step of a plain model in `fit` with a tfmixprec callback use it; a custom loop wraps its step
+in it.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
 
 
 def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`step` (a `train_step`) inside `guard_state(model, model.optimizer)`: for a model whose
-    Keras `LossScaleOptimizer` a callback adopted (the optimizer is read while tracing)."""
+    """`step` (a `train_step`) inside `guard_state(model, model.optimizer)`: for a plain model
+    in `fit` with a tfmixprec callback (the optimizer is read while tracing)."""
 
     def guarded(data: Any) -> Any:
         with guard_state(model, model.optimizer):

@@ -220,6 +220,8 @@ class MixedPrecisionMixin(MultiWorkerFit):
         logs.update(self.optimizer.snapshot())
         return logs
 
+    train_step.tfmixprec_guarded = True  # the callbacks wrap no further guard around it
+
     def keep_overflow_batches(self, limit: int) -> OverflowBatches | None:
         """From the next traced step on, keeps the batches of the first `limit` overflow
         steps on the host, for `tfmixprec.explain_overflow`. `limit=0` stops keeping. Either
