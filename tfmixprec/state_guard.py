@@ -89,4 +89,5 @@ def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[An
             return step(data)
 
     guarded.tfmixprec_guarded = True  # wrapped once
+    guarded.__wrapped__ = step  # the step it guards (the user's own, if they set one)
     return guarded
