@@ -267,6 +267,8 @@ def test_callbacks_under_mirrored_strategy(two_cpu_strategy, tmp_path, capsys):
         "iterations": 7,
         "min_scale_overflows": 0,
         "longest_overflow_run": 1,
+        "step": 8,  # steps attempted: 7 applied + 1 skipped
+        "last_overflow_step": 1,
     }
 
 

@@ -100,6 +100,8 @@ def test_adjust_sequence_with_tensor_flag(compiled):
         "overflow": 0.0,
         "overflow_steps": 4.0,
         "skipped_fraction": pytest.approx(4.0 / 7.0, rel=1e-6),
+        "step": 7.0,  # steps attempted (skipped ones counted): the next one's number
+        "last_overflow_step": 5.0,  # steps 2 to 5 overflowed
     }
     assert int(unit.last_overflow_iteration.numpy()) == 2
 

@@ -18,7 +18,7 @@ from tfmixprec._model_file import load_model_file
 from tfmixprec._observe import Observation, observe, policies_swapped
 from tfmixprec._text import markdown_table
 from tfmixprec.hardware import HardwareInfo, detect_hardware
-from tfmixprec.policy import LOW_PRECISION, _check_policy_name, choose_policy, float32_reason
+from tfmixprec.policy import LOW_PRECISION, check_policy_name, choose_policy, float32_reason
 
 __all__ = ["Finding", "LayerDtypes", "AuditReport", "audit"]
 
@@ -563,7 +563,7 @@ def _context(
     """Checks `audit`'s arguments and gathers what the checks read (`followers`: see
     `_followers`; a saved model's are read from its file)."""
     if policy is not None:
-        policy = _check_policy_name(policy)
+        policy = check_policy_name(policy)
         if policy == "auto":
             policy = choose_policy(hardware).name
     check_built_model(model, "audit")

@@ -9,172 +9,21 @@ On a plain `keras.Model` compiled the Keras way they adopt Keras's own
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmixprec._cadence import Every
+from tfmixprec._fit_hooks import Diagnoser
+from tfmixprec._fit_reader import FitReader
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.attribution import overflow_report
-from tfmixprec.diagnosis import (
-    OverflowDiagnosis,
-    explain_overflow,
-    keep_for_callbacks,
-    stop_keeping_for_callbacks,
-)
+from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.loss_scale import LOG_KEYS, format_scale
-from tfmixprec.optimizer import (
-    LossScaleOptimizer,
-    _adopt_loss_scaling,
-    _adopt_when_set,
-    _loss_scaling_of,
-)
+from tfmixprec.optimizer import LossScaleOptimizer
 
 __all__ = ["LossScaleMonitor", "OverflowGuard"]
-
-
-def _attempted(state: dict[str, Any]) -> int:
-    """Steps attempted so far, skipped ones counted (the optimizer's own counters)."""
-    return int(state["iterations"] + state["overflow_steps"])
-
-
-class _EpochOverflows:
-    """The number of overflow steps in the current epoch: the optimizer's total at epoch end
-    less its total at epoch begin (one host read at each)."""
-
-    def __init__(self) -> None:
-        self._start = 0
-
-    def begin(self, opt: LossScaleOptimizer) -> None:
-        self._start = opt.read_state()["overflow_steps"]
-
-    def count(self, opt: LossScaleOptimizer) -> float:
-        return self.since(opt.read_state()["overflow_steps"])
-
-    def since(self, total: float) -> float:
-        """The epoch's count given the optimizer's total (from the logs: no read)."""
-        return float(total - self._start)
-
-
-class _Diagnoser:
-    """Replays the batches of overflow steps that the model keeps (see
-    `MixedPrecisionModel.keep_overflow_batches`) with `explain_overflow`, `limit` per `fit`."""
-
-    def __init__(self, limit: int, who: str) -> None:
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            raise ValueError(
-                "diagnose must be an int >= 0: how many overflow steps to replay per fit "
-                f"(0: none). Received: diagnose={limit!r}"
-            )
-        self.limit, self.who = limit, who
-        self._keeper: Any = None
-        self._first = self._done = 0
-
-    def start(self, callback: Any, optimizer: LossScaleOptimizer | None) -> None:
-        """Keeps overflow batches for this `fit` in the step of `callback`'s model (any
-        model); nothing to keep without a tfmixprec `LossScaleOptimizer` (no step is skipped
-        then)."""
-        self._keeper, self._first, self._done = None, 0, 0
-        if not self.limit or optimizer is None:
-            return
-        # Keras gives every callback of one fit the same `params` dict: it marks the fit.
-        fit = callback.params
-        self._keeper = keep_for_callbacks(callback.model, self.limit, self.who, fit)
-        self._first = len(self._keeper.kept) if self._keeper is not None else 0
-
-    def new(self, model: Any) -> list[tuple[int, OverflowDiagnosis]]:
-        """Diagnoses of the overflow steps kept since the last call (no device read). A
-        batch that cannot be replayed ends the replay for this `fit` with a warning; it never
-        stops training."""
-        if self._keeper is None or self._done >= self.limit:
-            return []
-        fresh = self._keeper.kept[self._first + self._done : self._first + self.limit]
-        self._done += len(fresh)
-        found = []
-        for kept in fresh:
-            try:
-                found.append((kept.step, explain_overflow(model, kept.batch, scale=kept.scale)))
-            except (TypeError, ValueError) as err:
-                warnings.warn(
-                    f"{self.who} could not replay overflow step {kept.step}, so diagnose= is "
-                    f"off for the rest of this fit (training goes on): {err}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self._done = self.limit
-                break
-        return found
-
-    def stop(self, model: Any) -> None:
-        if self._keeper is not None:
-            stop_keeping_for_callbacks(model)
-        self._keeper = None
-
-
-class _FitWatch(keras.callbacks.Callback):
-    """Added first to `MixedPrecisionModel.fit`'s callbacks: puts the epoch's number of overflow
-    steps in the epoch logs as `overflow` (so History, CSVLogger and the progress bar show it),
-    and reports a `min_scale` overflow (`on_min_scale`) every `update_freq` batches and at
-    epoch end, so `"raise"` stops `fit` promptly. One scalar read per check."""
-
-    def __init__(self, update_freq: int = 50) -> None:
-        super().__init__()
-        self.update_freq = update_freq
-        self._every = Every(update_freq)
-        self.epoch_overflows = _EpochOverflows()  # shared with the progress bar
-
-    def on_train_begin(self, logs: dict | None = None) -> None:
-        self._every.start()
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._every.epoch_begin()
-        self.epoch_overflows.begin(self.model.optimizer)
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self._every.due(batch):
-            self.model.optimizer.check_min_scale()
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if logs is not None:
-            logs["overflow"] = self.epoch_overflows.count(self.model.optimizer)
-        self.model.optimizer.check_min_scale()
-
-
-# What the progress bar leaves out: totals since the optimizer was created, kept in the logs
-# (History, CSVLogger) but not what a person watches while training.
-_NOT_ON_THE_BAR = ("overflow_steps", "skipped_fraction")
-
-
-class _ProgressBar(keras.callbacks.ProgbarLogger):
-    """Keras's progress bar for `MixedPrecisionModel.fit`, showing of the loss-scale values
-    only what a person watches: `loss_scale`, and `overflow` as the epoch's number of overflow
-    steps so far, once there is one (Keras prints a 0 as `0.0000e+00`). The logs that History,
-    CSVLogger and the other callbacks see are not changed. `epoch_overflows` is the
-    `_FitWatch`'s, which runs first and reads the epoch's starting total once."""
-
-    def __init__(self, epoch_overflows: _EpochOverflows) -> None:
-        super().__init__()
-        self._epoch = epoch_overflows
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        logs = dict(logs or {})
-        if "overflow_steps" in logs:
-            logs["overflow"] = self._epoch.since(logs["overflow_steps"])
-        super().on_train_batch_end(batch, _bar_view(logs))
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        super().on_epoch_end(epoch, _bar_view(dict(logs or {})))
-
-
-def _bar_view(logs: dict) -> dict:
-    """`logs` without the totals, and without `overflow` while it is 0."""
-    view = {k: v for k, v in logs.items() if k not in _NOT_ON_THE_BAR}
-    if not view.get("overflow", 1):
-        del view["overflow"]
-    return view
 
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
@@ -239,14 +88,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.verbose = verbose
         self.update_freq = check_int_at_least_one("update_freq", update_freq)
         self.diagnose = diagnose
-        self._diagnoser = _Diagnoser(diagnose, "LossScaleMonitor")
+        self._diagnoser = Diagnoser(diagnose, "LossScaleMonitor")
         self.diagnoses: list[tuple[int, OverflowDiagnosis]] = []
         self.events: list[str] = []
-        self._every = Every(self.update_freq)
-        self._reported: tuple[int, float, int] = (0, 0.0, 0)
+        self._reader = FitReader("LossScaleMonitor", self.update_freq)
         self._snapshot: Any = None
         self._snapshot_of: Any = None
-        self._epoch = _EpochOverflows()
 
     def get_config(self) -> dict[str, Any]:
         return {"verbose": self.verbose, "update_freq": self.update_freq, "diagnose": self.diagnose}
@@ -257,14 +104,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def set_model(self, model: Any) -> None:
         super().set_model(model)
-        _adopt_when_set(model, "LossScaleMonitor")
+        self._reader.set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        opt = _adopt_loss_scaling(self.model, "LossScaleMonitor")
-        self._every.start()
-        if opt is not None:
-            state = opt.read_state()
-            self._reported = (state["overflow_steps"], state["loss_scale"], _attempted(state))
+        opt = self._reader.train_begin()
         self._diagnoser.start(self, opt)
 
     def on_train_end(self, logs: dict | None = None) -> None:
@@ -280,8 +123,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        opt = _loss_scaling_of(self.model)
-        due = self._every.due(batch)
+        opt = self._reader.optimizer
+        due = self._reader.due(batch)
         if opt is None:
             return  # no loss scaling: nothing to add or report
         if not all(key in logs for key in LOG_KEYS):
@@ -296,46 +139,37 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 print(f"overflow step {step} (0-based, skipped steps counted): {diagnosis}")
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._every.epoch_begin()
-        opt = _loss_scaling_of(self.model)
-        if opt is not None:
-            self._epoch.begin(opt)
+        self._reader.epoch_begin()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
-        opt = _loss_scaling_of(self.model)
+        opt = self._reader.optimizer
         if opt is None:
             return
         logs.update({k: float(v.numpy()) for k, v in self._values(opt).items()})
-        logs["overflow"] = self._epoch.count(opt)
+        logs["overflow"] = self._reader.epoch_overflows()
         self._report(opt)
 
     def _report(self, opt: LossScaleOptimizer) -> None:
-        state = opt.read_state()
-        overflows, scale, attempted = (
-            state["overflow_steps"],
-            state["loss_scale"],
-            _attempted(state),
-        )
-        before_overflows, before_scale, before_attempted = self._reported
-        if overflows > before_overflows:
-            count, last = overflows - before_overflows, int(opt.last_overflow_step().numpy())
+        now, before = self._reader.read()
+        count = now["overflow_steps"] - before["overflow_steps"]
+        if count > 0:
+            last = now["last_overflow_step"]
             layers = overflow_report(self.model).last_overflow_layers
             where = (
                 f"overflow at step {last}"
                 if count == 1
-                else f"{count} overflows in steps {before_attempted}-{attempted - 1}, the last "
+                else f"{count} overflows in steps {before['step']}-{now['step'] - 1}, the last "
                 f"at step {last}"
             )
             line = (
                 f"{where} (0-based, skipped steps counted), loss scale "
-                f"{format_scale(before_scale)} -> {format_scale(scale)}"
+                f"{format_scale(before['loss_scale'])} -> {format_scale(now['loss_scale'])}"
                 + (f"; gradients not finite in: {', '.join(layers)}" if layers else "")
             )
             self.events.append(line)
             if self.verbose:
                 print(line)
-        self._reported = (overflows, scale, attempted)
         opt.check_min_scale()
 
 
@@ -401,7 +235,7 @@ class OverflowGuard(keras.callbacks.Callback):
         self.verbose = verbose
         self.stopped_step: int | None = None
         self.stop_message: str | None = None
-        self._every = Every(self.update_freq)
+        self._reader = FitReader("OverflowGuard", self.update_freq)
         self._good_weights: list[np.ndarray] | None = None
 
     def get_config(self) -> dict[str, Any]:
@@ -420,27 +254,26 @@ class OverflowGuard(keras.callbacks.Callback):
 
     def set_model(self, model: Any) -> None:
         super().set_model(model)
-        _adopt_when_set(model, "OverflowGuard")
+        self._reader.set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        opt = _adopt_loss_scaling(self.model, "OverflowGuard")
+        opt = self._reader.train_begin()
         if opt is not None:
             opt.reset_longest_overflow_run()  # runs from here on; read at each check
-        self._every.start()
         self.stopped_step = None
         self.stop_message = None
         if self.restore_weights:
             self._good_weights = self.model.get_weights()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._every.epoch_begin()
+        self._reader.epoch_begin()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs or {}
-        if not self._every.due(batch):
+        if not self._reader.due(batch):
             return
-        opt = _loss_scaling_of(self.model)
-        state = opt.read_state() if opt is not None else None
+        opt = self._reader.optimizer
+        state = self._reader.read()[0] if opt is not None else None
         loss = logs.get("loss")
         finite_loss = loss is None or math.isfinite(float(loss))
         # The step just taken was clean: with loss scaling, the optimizer applied it (the
@@ -458,7 +291,7 @@ class OverflowGuard(keras.callbacks.Callback):
         opt.check_min_scale()  # on_min_scale="raise" raises here, "warn" warns once
         reason = self._reason(opt, state)
         if reason is not None:
-            self._stop(_attempted(state), reason)
+            self._stop(state["step"], reason)
 
     def _reason(self, opt: LossScaleOptimizer, state: dict[str, Any]) -> str | None:
         longest, at_min = state["longest_overflow_run"], state["min_scale_overflows"]

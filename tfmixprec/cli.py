@@ -101,7 +101,7 @@ def _print_demo_summary(
     from tfmixprec.loss_scale import format_scale
 
     state = optimizer.read_state()
-    steps = state["overflow_steps"] + state["iterations"]
+    steps = state["step"]
     print("")
     print("tfmixprec demo summary")
     print(f"  policy          {policy}")

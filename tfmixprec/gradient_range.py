@@ -15,11 +15,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmixprec._cadence import Every
+from tfmixprec._adoption import loss_scaling_of
+from tfmixprec._fit_reader import FitReader
 from tfmixprec._layers import compiled_loss, loss_value
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.loss_scale import divide, multiply
-from tfmixprec.optimizer import _adopt_loss_scaling, _adopt_when_set, _loss_scaling_of
 from tfmixprec.unscaling import gradient_values
 
 __all__ = ["GradientRangeMonitor", "GradientRangeStats", "gradient_range_stats"]
@@ -200,7 +200,7 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         self.activation_stats: dict[str, GradientRangeStats] = {}
         self.last_step: int | None = None
         self._step = 0  # steps counted so far in this fit
-        self._every = Every(self.update_freq)
+        self._reader = FitReader("GradientRangeMonitor", self.update_freq)
         self._driver: keras.callbacks.Callback | None = None
         self._loss: Callable[..., Any] | None = None
         self._probe: keras.Model | None = None
@@ -285,7 +285,7 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         """
         if self._compute is None:
             self._build()
-        opt = _loss_scaling_of(self.model)
+        opt = loss_scaling_of(self.model)
         scale = opt.read_state()["loss_scale"] if opt is not None else 1.0
         x, y = self.data[0], self.data[1]
         sample_weight = self.data[2] if len(self.data) == 3 else None
@@ -339,8 +339,9 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         Returns:
             Whether it measured.
         """
-        due = self._every.due(self._every.steps_in_epoch if batch is None else batch)
-        self._step = self._every.steps
+        every = self._reader.every
+        due = every.due(every.steps_in_epoch if batch is None else batch)
+        self._step = every.steps
         if not due:
             return False
         stats = self.measure()
@@ -350,15 +351,16 @@ class GradientRangeMonitor(keras.callbacks.Callback):
 
     def set_model(self, model: Any) -> None:
         super().set_model(model)
-        _adopt_when_set(model, "GradientRangeMonitor")
+        self._reader.set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        _adopt_loss_scaling(self.model, "GradientRangeMonitor")
+        self._reader = FitReader("GradientRangeMonitor", self.update_freq)  # as it is now
+        self._reader.set_model(self.model)
+        self._reader.train_begin()
         self._step = 0
-        self._every = Every(self.update_freq)  # `update_freq` as it is now
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self._every.epoch_begin()  # a driver calls it too
+        self._reader.epoch_begin()  # a driver calls it too
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self._driver is not None:

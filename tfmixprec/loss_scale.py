@@ -29,6 +29,8 @@ __all__ = ["LossScaleConfig"]  # what the package exports; the rest is internal
 
 # The values `snapshot()` returns; `fit` logs and callbacks show these and only these.
 LOG_KEYS = ("loss_scale", "overflow", "overflow_steps", "skipped_fraction")
+# The step numbers `snapshot()` computes besides them (0-based, skipped steps counted).
+STEP_KEYS = ("step", "last_overflow_step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +228,141 @@ def nonfinite_flags(evidence: tf.Tensor, dtype: Any = tf.int32) -> tf.Tensor:
     return tf.cast(tf.logical_not(tf.math.is_finite(evidence)), dtype)
 
 
+# The loss-scale state, by the names `next_state` reads and returns (the variables of
+# `LossScale`; `nonfinite_steps` and `last_nonfinite_step` hold one entry a variable).
+STATE_FIELDS = (
+    "scale",
+    "good_steps",
+    "hysteresis_tracker",
+    "overflow_steps",
+    "consecutive_overflows",
+    "last_overflow_iteration",
+    "min_scale_overflow_iteration",
+    "last_overflow_scale",
+    "min_scale_overflows",
+    "longest_overflow_run",
+    "nonfinite_steps",
+    "last_nonfinite_step",
+)
+
+
+def step_number(iterations: Any, overflow_steps: Any) -> tf.Tensor:
+    """The 0-based number of a step with skipped steps counted: applied steps before it
+    (`iterations`) plus overflow steps before it. The one place this convention is computed."""
+    overflow_steps = tf.convert_to_tensor(overflow_steps)
+    return tf.cast(iterations, overflow_steps.dtype) + overflow_steps
+
+
+def next_state(
+    config: LossScaleConfig,
+    state: Any,
+    finite: bool,
+    iteration: Any,
+    nonfinite: Any = None,
+) -> dict[str, tf.Tensor]:
+    """The loss-scale transition after one step, as a pure function of values.
+
+    After a finite step the clean-step counter goes up; a dynamic scale grows by
+    `growth_factor` (up to `max_scale`) once it reaches `growth_interval`, which also restarts
+    the counts kept "since the scale last grew". After an overflow the step is counted
+    (total, run, the longest run, at `min_scale`), and a dynamic scale backs off by
+    `backoff_factor` (down to `min_scale`) once `hysteresis` overflows were seen since it last
+    grew.
+
+    Args:
+        config: `LossScaleConfig`.
+        state: Mapping from the names in `STATE_FIELDS` to scalar tensors (vectors for the
+            two per-variable fields); only the fields the transition needs are read.
+        finite: Bool. Whether the step's gradients were finite.
+        iteration: Int tensor. Applied steps before this step (the optimizer's `iterations`).
+        nonfinite: Int vector or None. After an overflow, 1 for each variable whose gradient
+            was not finite (`nonfinite_flags`), counted against it; None counts nothing.
+
+    Returns:
+        Dict of the fields that change, name -> new value.
+    """
+    if finite:
+        return _after_finite(config, state)
+    return _after_overflow(config, state, iteration, nonfinite)
+
+
+def _after_finite(config: LossScaleConfig, state: Any) -> dict[str, tf.Tensor]:
+    """A clean step: the run of overflows ends; the scale grows every `growth_interval`."""
+    new = {"consecutive_overflows": tf.zeros_like(state["consecutive_overflows"])}
+    counter = state["good_steps"] + 1
+    if not config.dynamic:
+        return {**new, "good_steps": counter}
+    # `where`s, not a `cond`: these are mirrored variables whose replica writes would need a
+    # `merge_call`, which a `cond` branch in replica context may not make.
+    grow = counter >= config.growth_interval
+    scale = state["scale"]
+    grown = tf.minimum(scale * config.growth_factor, config.max_scale)
+    at_min, tracker = state["min_scale_overflows"], state["hysteresis_tracker"]
+    return {
+        **new,
+        "scale": tf.where(grow, grown, scale),
+        "good_steps": tf.where(grow, tf.zeros_like(counter), counter),
+        "min_scale_overflows": tf.where(grow, tf.zeros_like(at_min), at_min),
+        "hysteresis_tracker": tf.where(
+            grow, tf.constant(config.hysteresis, tracker.dtype), tracker
+        ),
+    }
+
+
+def _after_overflow(
+    config: LossScaleConfig, state: Any, iteration: Any, nonfinite: Any
+) -> dict[str, tf.Tensor]:
+    """An overflow step: counted, attributed to the variables whose gradients were not finite,
+    and (dynamic scale) the scale backs off once `hysteresis` overflows were seen."""
+    overflows = state["overflow_steps"]
+    iteration = tf.cast(iteration, overflows.dtype)
+    this_step = step_number(iteration, overflows)
+    run = state["consecutive_overflows"] + 1
+    new = {
+        "last_overflow_scale": state["scale"],
+        "overflow_steps": overflows + 1,
+        "consecutive_overflows": run,
+        "longest_overflow_run": tf.maximum(state["longest_overflow_run"], run),
+        "last_overflow_iteration": iteration,
+        "good_steps": tf.zeros_like(state["good_steps"]),
+    }
+    if nonfinite is not None:
+        new["nonfinite_steps"] = state["nonfinite_steps"] + nonfinite
+        new["last_nonfinite_step"] = tf.where(
+            nonfinite > 0, this_step, state["last_nonfinite_step"]
+        )
+    if not config.dynamic:
+        return new
+    scale, at_min = state["scale"], state["min_scale_overflows"]
+    first_at_min = tf.logical_and(
+        scale <= config.min_scale, state["min_scale_overflow_iteration"] < 0
+    )
+    tracker = tf.maximum(state["hysteresis_tracker"] - 1, 0)
+    backed_off = tf.maximum(scale * config.backoff_factor, config.min_scale)
+    return {
+        **new,
+        "min_scale_overflow_iteration": tf.where(
+            first_at_min, this_step, state["min_scale_overflow_iteration"]
+        ),
+        "min_scale_overflows": tf.where(scale <= config.min_scale, at_min + 1, at_min),
+        "hysteresis_tracker": tracker,
+        "scale": tf.where(tf.equal(tracker, 0), backed_off, scale),
+    }
+
+
+class _Reads(dict):
+    """The state variables' values, each read (`read_now`) the first time it is asked for,
+    so a transition reads only what it uses."""
+
+    def __init__(self, variables: dict[str, Any]) -> None:
+        super().__init__()
+        self._variables = variables
+
+    def __missing__(self, name: str) -> tf.Tensor:
+        value = self[name] = read_now(self._variables[name])
+        return value
+
+
 class LossScale(tf.Module):
     """The scale state (variables) and the step's functions over it.
 
@@ -325,7 +462,7 @@ class LossScale(tf.Module):
         )
 
     def adjust(self, finite: bool | tf.Tensor, iteration: Any, evidence: Any = None) -> None:
-        """The transition after one step: grow, back off, count.
+        """The transition after one step (`next_state`), assigned to the state variables.
 
         Args:
             finite: Bool or scalar bool tensor. Whether the step's gradients were finite. A
@@ -335,80 +472,30 @@ class LossScale(tf.Module):
             evidence: The vector from `check`, or `None`. On an overflow, it tells which
                 variables' gradients were not finite (counted in the attribution state).
         """
-        if isinstance(finite, bool):
-            if finite:
-                self._after_finite(iteration)
-            else:
-                self._after_overflow(iteration, evidence)
+        if not isinstance(finite, bool):
+            tf.cond(
+                finite,
+                lambda: self.adjust(True, iteration),
+                lambda: self.adjust(False, iteration, evidence),
+            )
             return
-        tf.cond(
-            finite,
-            lambda: self._after_finite(iteration),
-            lambda: self._after_overflow(iteration, evidence),
-        )
+        flags = None
+        if not finite and evidence is not None and self.nonfinite_steps is not None:
+            flags = nonfinite_flags(evidence, self.overflow_steps.dtype)
+        state = _Reads(self.variables_by_name())
+        for name, value in next_state(self.config, state, finite, iteration, flags).items():
+            self.variables_by_name()[name].assign(value)
 
-    def _after_finite(self, iteration: Any) -> None:
-        del iteration
-        config = self.config
-        self.consecutive_overflows.assign(0)
-        if not config.dynamic:
-            self.good_steps.assign_add(1)
-            return
-        # `where`s, not a `cond`: these are mirrored variables whose replica writes would
-        # need a `merge_call`, which a `cond` branch in replica context may not make.
-        counter = read_now(self.good_steps) + 1
-        grow = counter >= config.growth_interval
-        scale = read_now(self.scale_variable)
-        grown = tf.minimum(scale * config.growth_factor, config.max_scale)
-        self.scale_variable.assign(tf.where(grow, grown, scale))
-        self.good_steps.assign(tf.where(grow, tf.zeros_like(counter), counter))
-        at_min = read_now(self.min_scale_overflows)
-        self.min_scale_overflows.assign(tf.where(grow, tf.zeros_like(at_min), at_min))
-        tracker = read_now(self.hysteresis_tracker)
-        self.hysteresis_tracker.assign(
-            tf.where(grow, tf.constant(config.hysteresis, tracker.dtype), tracker)
-        )
-
-    def _after_overflow(self, iteration: Any, evidence: Any = None) -> None:
-        config = self.config
-        overflows = read_now(self.overflow_steps)
-        iteration = tf.cast(read_now(iteration), overflows.dtype)
-        attempted = iteration + overflows  # 0-based index of this step, skipped ones counted
-        if evidence is not None and self.nonfinite_steps is not None:
-            self._attribute(nonfinite_flags(evidence, overflows.dtype), attempted)
-        self.last_overflow_scale.assign(read_now(self.scale_variable))
-        self.overflow_steps.assign(overflows + 1)
-        run = read_now(self.consecutive_overflows) + 1
-        self.consecutive_overflows.assign(run)
-        self.longest_overflow_run.assign(tf.maximum(read_now(self.longest_overflow_run), run))
-        self.last_overflow_iteration.assign(iteration)
-        self.good_steps.assign(0)
-        if not config.dynamic:
-            return
-        scale = read_now(self.scale_variable)
-        first_at_min = tf.logical_and(
-            scale <= config.min_scale, read_now(self.min_scale_overflow_iteration) < 0
-        )
-        self.min_scale_overflow_iteration.assign(
-            tf.where(first_at_min, attempted, read_now(self.min_scale_overflow_iteration))
-        )
-        at_min = read_now(self.min_scale_overflows)
-        self.min_scale_overflows.assign(tf.where(scale <= config.min_scale, at_min + 1, at_min))
-        tracker = tf.maximum(read_now(self.hysteresis_tracker) - 1, 0)
-        self.hysteresis_tracker.assign(tracker)
-        backed_off = tf.maximum(scale * config.backoff_factor, config.min_scale)
-        self.scale_variable.assign(tf.where(tf.equal(tracker, 0), backed_off, scale))
+    def variables_by_name(self) -> dict[str, Any]:
+        """The state variables under the names `next_state` uses (`STATE_FIELDS`)."""
+        found = {name: getattr(self, name) for name in STATE_FIELDS if name != "scale"}
+        found["scale"] = self.scale_variable
+        return {name: variable for name, variable in found.items() if variable is not None}
 
     def attribution_variables(self) -> list[Any]:
         """The variables the overflow attribution added (none of them before `build`)."""
         vectors = [self.nonfinite_steps, self.last_nonfinite_step]
         return [self.last_overflow_scale] + [v for v in vectors if v is not None]
-
-    def _attribute(self, nonfinite: tf.Tensor, attempted: tf.Tensor) -> None:
-        """Counts an overflow step for each variable whose gradient was not finite in it."""
-        self.nonfinite_steps.assign(read_now(self.nonfinite_steps) + nonfinite)
-        last = read_now(self.last_nonfinite_step)
-        self.last_nonfinite_step.assign(tf.where(nonfinite > 0, attempted, last))
 
     # ------------------------------------------------------------ readers
     def snapshot(self, iterations: Any) -> dict[str, tf.Tensor]:
@@ -418,16 +505,23 @@ class LossScale(tf.Module):
             iterations: Int tensor or variable. Applied steps (the optimizer's `iterations`).
 
         Returns:
-            Dict with `loss_scale`, `overflow` (1.0 if the last step was skipped),
-            `overflow_steps` (total) and `skipped_fraction` (overflow steps over all steps).
+            Dict with `LOG_KEYS`: `loss_scale`, `overflow` (1.0 if the last step was skipped),
+            `overflow_steps` (total) and `skipped_fraction` (overflow steps over all steps);
+            and the step numbers: `step`, the steps attempted so far (skipped ones counted:
+            the 0-based number of the next step), and `last_overflow_step` (-1: none yet).
         """
-        overflows = tf.cast(read_now(self.overflow_steps), tf.float32)
-        applied = tf.cast(read_now(iterations), tf.float32)
+        total = read_now(self.overflow_steps)
+        overflows = tf.cast(total, tf.float32)
+        applied = read_now(iterations)
+        attempted = overflows + tf.cast(applied, tf.float32)
+        last = step_number(read_now(self.last_overflow_iteration), total - 1)
         return {
             "loss_scale": read_now(self.scale_variable),
             "overflow": tf.cast(read_now(self.consecutive_overflows) > 0, tf.float32),
             "overflow_steps": overflows,
-            "skipped_fraction": overflows / tf.maximum(overflows + applied, 1.0),
+            "skipped_fraction": overflows / tf.maximum(attempted, 1.0),
+            "step": step_number(applied, total),
+            "last_overflow_step": tf.where(total > 0, last, tf.constant(-1, last.dtype)),
         }
 
 

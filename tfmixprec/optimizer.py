@@ -9,7 +9,6 @@ the unit's transition. All state is variables; nothing that decides a step is Py
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,25 +19,23 @@ from tfmixprec._keras_compat import (
     KerasLossScaleHooks,
     built_variables,
     no_automatic_dependency_tracking,
-    set_compiled_optimizer,
 )
-from tfmixprec._layers import iter_layers
 from tfmixprec._state_file import load, save
 from tfmixprec._validate import check_int_at_least_one, is_number
 from tfmixprec.accumulation import GradientAccumulator
 from tfmixprec.attribution import OverflowReport, build_report
 from tfmixprec.loss_scale import (
+    LOG_KEYS,
+    STEP_KEYS,
     LossScale,
     LossScaleConfig,
     all_finite,
     check,
-    format_scale,
     min_scale_report,
     nonfinite_flags,
     read_now,
     reset_longest_overflow_run,
 )
-from tfmixprec.state_guard import guarded_step
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -213,10 +210,9 @@ class _LossScaleReadout:
     )
 
     def last_overflow_step(self) -> tf.Tensor:
-        """The last overflow step (0-based, skipped steps counted), read in the graph."""
-        overflows = read_now(self._loss_scale.overflow_steps)
-        iteration = tf.cast(read_now(self.last_overflow_iteration), overflows.dtype)
-        return iteration + overflows - 1
+        """The last overflow step (0-based, skipped steps counted; -1: none), read in the
+        graph."""
+        return self._loss_scale.snapshot(self.iterations)["last_overflow_step"]
 
     def snapshot(self) -> dict[str, tf.Tensor]:
         """The loss-scale values for logs, read in the graph (no host sync; after `apply`
@@ -224,7 +220,7 @@ class _LossScaleReadout:
         micro-batch that ends a window can be an overflow step: `overflow` is 0 inside one."""
         values = self._loss_scale.snapshot(self.iterations)
         values["overflow"] = tf.cast(self.skipped(), tf.float32)
-        return values
+        return {key: values[key] for key in LOG_KEYS}
 
     def skipped(self) -> tf.Tensor:
         """Whether the step that just ran was skipped (a scalar bool, read in the graph):
@@ -242,9 +238,13 @@ class _LossScaleReadout:
         Call it outside the step (callbacks do, at their logging interval).
 
         Returns:
-            Dict keyed by `STATE_NAMES`: `loss_scale` (a float) and the integer counters.
+            Dict keyed by `STATE_NAMES`: `loss_scale` (a float) and the integer counters,
+            and the step numbers of `LossScale.snapshot`: `step` (steps attempted so far,
+            skipped ones counted) and `last_overflow_step` (-1: none).
         """
         state = {name: getattr(self, name).numpy().item() for name in STATE_NAMES}
+        numbers = self._loss_scale.snapshot(self.iterations)
+        state.update({key: int(numbers[key].numpy()) for key in STEP_KEYS})
         return {**state, "loss_scale": float(state["loss_scale"])}
 
     # ------------------------------------------------------------ overflow attribution
@@ -614,107 +614,4 @@ def _from_keras(cls: type, keras_optimizer: Any, kwargs: dict[str, Any]) -> Loss
             new.build(built_variables(keras_optimizer))
         new.loss_scale.assign(keras_optimizer.dynamic_scale)
         new.good_steps.assign(keras_optimizer.step_counter)
-    return new
-
-
-# Host-side, for reporting only: which lines were already said for a model (once per model).
-_SAID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _say_once(model: Any, kind: str, line: str, warn: bool = False) -> None:
-    said = _SAID.setdefault(model, set())
-    if kind in said:
-        return
-    said.add(kind)
-    if warn:
-        warnings.warn(line, RuntimeWarning, stacklevel=3)
-    else:
-        print(line)
-
-
-def _compute_dtype(model: Any) -> str:
-    """float16 if any layer computes in float16, else bfloat16 if any does, else float32."""
-    dtypes = {model.dtype_policy.compute_dtype}
-    dtypes.update(layer.dtype_policy.compute_dtype for layer in iter_layers(model))
-    return next((d for d in ("float16", "bfloat16") if d in dtypes), "float32")
-
-
-def _loss_scaling_of(model: Any) -> LossScaleOptimizer | None:
-    """The model's tfmixprec `LossScaleOptimizer`, or None (read outside `on_train_begin`)."""
-    optimizer = getattr(model, "optimizer", None)
-    return optimizer if isinstance(optimizer, LossScaleOptimizer) else None
-
-
-def _adopt_loss_scaling(model: Any, who: str) -> LossScaleOptimizer | None:
-    """For the callbacks' `on_train_begin`: the model's tfmixprec `LossScaleOptimizer`.
-
-    Keras's own `keras.optimizers.LossScaleOptimizer` is replaced by tfmixprec's (in the
-    model's strategy scope; the train step is traced again, so it uses the new one) and that
-    is said once per model. A plain optimizer gives None, with one line per model: no loss
-    scaling needed (bfloat16, float32), or a warning that float16 without it underflows.
-    """
-    optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, LossScaleOptimizer):
-        return optimizer
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return _adopt(model, optimizer, who)
-    dtype, name = _compute_dtype(model), type(optimizer).__name__
-    if dtype == "float16":
-        line = (
-            f"Model {model.name!r} computes in float16 but its optimizer ({name}) does not "
-            "scale the loss: gradients below 2**-24 flush to zero in float16 and their "
-            "weights stop learning. Compile with optimizer=tfmixprec.LossScaleOptimizer("
-            "your_optimizer), or set the mixed_float16 policy before building the model "
-            "(tfmixprec.set_policy or keras.mixed_precision.set_global_policy) so that "
-            f"compile() wraps it. {who} runs without loss-scale values."
-        )
-        _say_once(model, "float16", line, warn=True)
-        return None
-    why = ", which has float32's range (no gradient flushes to zero as in float16)"
-    line = (
-        f"tfmixprec: no loss scaling needed for model {model.name!r}: it computes in {dtype}"
-        f"{why if dtype == 'bfloat16' else ''}; the tfmixprec callbacks add no loss-scale values."
-    )
-    _say_once(model, "unscaled", line)
-    return None
-
-
-def _adopt_when_set(model: Any, who: str) -> None:
-    """For the callbacks' `set_model`: adopts Keras's own `LossScaleOptimizer` already, before
-    any callback's `on_train_begin` (Keras sets every callback's model first), so that a
-    `BackupAndRestore` listed before a tfmixprec callback restores into tfmixprec's optimizer.
-    A model compiled with tfmixprec's own has Keras's `train_step` guarded (its skipped steps
-    put back the state the forward pass wrote); any other is left to `on_train_begin`."""
-    optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, LossScaleOptimizer):
-        _guard_train_step(model)
-    elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        _adopt(model, optimizer, who)
-
-
-def _guard_train_step(model: Any) -> None:
-    """Wraps the model's `train_step` in `guard_state` once (a skipped step changes no
-    variable) and has `fit` trace it again."""
-    if not getattr(model.train_step, "tfmixprec_guarded", False):
-        model.train_step = guarded_step(model, model.train_step)
-        model.make_train_function(force=True)
-
-
-def _adopt(model: Any, keras_optimizer: Any, who: str) -> LossScaleOptimizer:
-    strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
-    with strategy.scope():
-        new = LossScaleOptimizer.from_keras(keras_optimizer)
-    model.optimizer = new
-    set_compiled_optimizer(model, new)  # so model.save writes the new one
-    _guard_train_step(model)  # a skipped step changes no variable
-    model.make_train_function(force=True)  # traced with the new optimizer
-    carried = "; its state carried over" if keras_optimizer.built else ""
-    line = (
-        f"tfmixprec: {who} replaced the keras.optimizers.LossScaleOptimizer of model "
-        f"{model.name!r} with a tfmixprec.LossScaleOptimizer (the same "
-        f"{type(new.inner_optimizer).__name__}, loss scale "
-        f"{format_scale(float(new.loss_scale.numpy()))}, dynamic_growth_steps="
-        f"{new.growth_interval}{carried}) to read and guard the loss scale."
-    )
-    _say_once(model, f"adopted {id(keras_optimizer)}", line)
     return new

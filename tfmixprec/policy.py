@@ -130,7 +130,7 @@ def _choose_for_gpus(gpus: tuple[GPUInfo, ...]) -> PolicyChoice:
     )
 
 
-def _check_policy_name(name: Any) -> str:
+def check_policy_name(name: Any) -> str:
     """Returns the policy name of `name` (a string or a `keras.DTypePolicy`), or raises."""
     if isinstance(name, keras.DTypePolicy):
         name = name.name
@@ -172,7 +172,7 @@ def set_policy(name: str | keras.DTypePolicy, hardware: HardwareInfo | None = No
 
     >>> tfmixprec.set_policy("auto").name  # what choose_policy() picks on this machine
     """
-    name = _check_policy_name(name)
+    name = check_policy_name(name)
     if name == "auto":
         name = choose_policy(hardware).name
     keras.config.set_dtype_policy(name)
@@ -244,7 +244,7 @@ def policy_scope(name: str, hardware: HardwareInfo | None = None) -> Iterator[An
     >>> with tfmixprec.policy_scope("mixed_bfloat16"):
     ...     model = build_model()
     """
-    _check_policy_name(name)  # fail before touching the global policy
+    check_policy_name(name)  # fail before touching the global policy
     previous = keras.config.dtype_policy()
     try:
         yield set_policy(name, hardware)

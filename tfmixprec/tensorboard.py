@@ -15,13 +15,13 @@ import tensorflow as tf
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
+from tfmixprec._fit_hooks import Diagnoser
+from tfmixprec._fit_reader import FitReader
 from tfmixprec._keras_compat import tensorboard_batch_work, tensorboard_step, tensorboard_writer
 from tfmixprec.attribution import overflow_report
-from tfmixprec.callbacks import _Diagnoser
 from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.gradient_range import GradientRangeMonitor
 from tfmixprec.loss_scale import LOG_KEYS
-from tfmixprec.optimizer import _adopt_loss_scaling, _adopt_when_set, _loss_scaling_of
 
 __all__ = ["TensorBoard", "dashboard_layout"]  # what the package exports
 
@@ -209,7 +209,7 @@ class TensorBoard(_ChiefWrites):
         diagnose: int = 0,
         **kwargs: Any,
     ) -> None:
-        diagnoser = _Diagnoser(diagnose, "tfmixprec.TensorBoard")  # checks it first
+        diagnoser = Diagnoser(diagnose, "tfmixprec.TensorBoard")  # checks it first
         if gradient_monitor is not None and not isinstance(gradient_monitor, GradientRangeMonitor):
             raise TypeError(
                 "gradient_monitor must be a tfmixprec.GradientRangeMonitor. Received: "
@@ -229,7 +229,8 @@ class TensorBoard(_ChiefWrites):
         self.gradient_monitor = gradient_monitor
         if gradient_monitor is not None:
             gradient_monitor.drive_from(self)
-        self._last_overflow_total = 0
+        every = 1 if update_freq in ("epoch", "batch") else update_freq
+        self._reader = FitReader("tfmixprec.TensorBoard", every)
         self._grad_measured_at: int | None = None
         self._epoch = 0
         self._diagnosis_writer: tuple[str, Any] | None = None  # (its directory, the writer)
@@ -264,14 +265,13 @@ class TensorBoard(_ChiefWrites):
 
     def set_model(self, model: Any) -> None:
         super().set_model(model)
-        _adopt_when_set(model, "tfmixprec.TensorBoard")
+        self._reader.set_model(model)
         if self.gradient_monitor is not None:
             self.gradient_monitor.set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        opt = _adopt_loss_scaling(self.model, "tfmixprec.TensorBoard")
+        opt = self._reader.train_begin()
         super().on_train_begin(logs)
-        self._last_overflow_total = opt.read_state()["overflow_steps"] if opt is not None else 0
         self._diagnoser.start(self, opt)
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
@@ -282,9 +282,7 @@ class TensorBoard(_ChiefWrites):
     def on_train_end(self, logs: dict | None = None) -> None:
         self._diagnoser.stop(self.model)
         if self.update_freq != "epoch":  # overflows after the last write: written now
-            opt = _loss_scaling_of(self.model)
-            if opt is not None and opt.read_state()["overflow_steps"] > self._last_overflow_total:
-                self._write(tensorboard_step(self))
+            self._write(tensorboard_step(self), only_new_overflows=True)
         super().on_train_end(logs)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
@@ -298,13 +296,14 @@ class TensorBoard(_ChiefWrites):
         if self.gradient_monitor is not None:
             logs = logs if isinstance(logs, dict) else None
             measured = self.gradient_monitor.step(logs, batch)
-        if self.update_freq != "epoch" and tensorboard_step(self) % self.update_freq == 0:
+        if self.update_freq != "epoch" and self._reader.due(batch):
             self._write(tensorboard_step(self))
         elif measured and self.update_freq != "epoch":
             self._write_gradients(tensorboard_step(self))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_begin(epoch, logs)
+        self._reader.epoch_begin()
         self._epoch = epoch
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_epoch_begin(epoch, logs)
@@ -314,28 +313,30 @@ class TensorBoard(_ChiefWrites):
         if self.update_freq == "epoch":
             self._write(epoch)
 
-    def _write(self, step: int) -> None:
-        opt = _loss_scaling_of(self.model)
-        if opt is None:  # no loss scaling: only the gradient range, if measured
+    def _write(self, step: int, only_new_overflows: bool = False) -> None:
+        """Writes the loss-scale values at `step`, and the overflows since the last write
+        (`only_new_overflows`: nothing unless there were some)."""
+        if self._reader.optimizer is None:  # no loss scaling: only the gradient range
             self._write_gradients(step)
             return
-        state = opt.read_state()
+        state, before = self._reader.read()
         total = state["overflow_steps"]
+        events = float(total - before["overflow_steps"])  # overflows in this interval
+        if only_new_overflows and not events:
+            return
         with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
             tf.summary.scalar(TAGS["loss_scale"], state["loss_scale"], step=step)
             tf.summary.scalar(TAGS["log2_loss_scale"], math.log2(state["loss_scale"]), step=step)
             tf.summary.scalar(TAGS["overflow_steps"], float(total), step=step)
-            if total > self._last_overflow_total:  # overflows in this interval
+            if events:
                 # Written only here, never as 0: a chart of events alone is never clipped
                 # by TensorBoard's "ignore outliers" (on by default), which hides rare 1s.
-                events = float(total - self._last_overflow_total)
                 tf.summary.scalar(TAGS["overflow"], events, step=step)
                 report = overflow_report(self.model)
                 for row in report.layers:
                     tag = f"{TAGS['layer_overflow_steps']}/{row.layer}"
                     tf.summary.scalar(tag, float(row.overflow_steps), step=step)
                 tf.summary.text(TAGS["overflow_report"], report.to_markdown(), step=step)
-        self._last_overflow_total = total
         self._write_gradients(step)
 
     def write_diagnosis(self, diagnosis: OverflowDiagnosis, step: int | None = None) -> None:

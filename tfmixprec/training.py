@@ -18,9 +18,9 @@ import tensorflow as tf
 from keras import ops
 
 from tfmixprec import cpu_float16
+from tfmixprec._fit_hooks import FitWatch, ProgressBar
 from tfmixprec._keras_compat import Functional, MultiWorkerFit, functional_init_arguments
 from tfmixprec._layers import iter_layers
-from tfmixprec.callbacks import _FitWatch, _ProgressBar
 from tfmixprec.diagnosis import (
     OverflowBatches,
     cannot_keep_batches,
@@ -141,18 +141,18 @@ def _with_accumulation(optimizer: LossScaleOptimizer, steps: int) -> LossScaleOp
 
 
 def _with_fit_watch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """`fit`'s arguments with a `_FitWatch` first among the callbacks (positional or not), so
+    """`fit`'s arguments with a `FitWatch` first among the callbacks (positional or not), so
     that every other callback, History and the progress bar see the epoch's overflow count, and
-    tfmixprec's `_ProgressBar` last unless the caller gave a progress bar. A
+    tfmixprec's `ProgressBar` last unless the caller gave a progress bar. A
     `keras.callbacks.CallbackList` the caller built is used as it is."""
     positional = len(args) > 5  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
     callbacks = args[5] if positional else kwargs.get("callbacks")
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return args, kwargs
-    watch = _FitWatch()
+    watch = FitWatch()
     callbacks = [watch, *(callbacks or [])]
     if not any(isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
-        callbacks.append(_ProgressBar(watch.epoch_overflows))  # last: shows what others added
+        callbacks.append(ProgressBar(watch.reader))  # last: shows what others added
     if positional:
         return (*args[:5], callbacks, *args[6:]), kwargs
     return args, {**kwargs, "callbacks": callbacks}
@@ -190,7 +190,7 @@ class MixedPrecisionMixin(MultiWorkerFit):
         super().compile(optimizer, *args, **kwargs)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
-        """`keras.Model.fit`, plus (see `tfmixprec.callbacks._FitWatch`) the epoch's number of
+        """`keras.Model.fit`, plus (see `tfmixprec._fit_hooks.FitWatch`) the epoch's number of
         overflow steps as `overflow` in the epoch logs and a check of `on_min_scale` every 50
         batches."""
         if isinstance(getattr(self, "optimizer", None), LossScaleOptimizer):
