@@ -212,7 +212,6 @@ def test_guard_checks_every_update_freq_batches(update_freq, stopped_step):
         ),
         (OverflowGuard, dict(patience=0), r"patience must be an integer >= 1.*patience=0"),
         (OverflowGuard, dict(max_consecutive=-1), r"max_consecutive=-1"),
-        (OverflowGuard, dict(restore_weights="yes"), r"restore_weights must be True or False"),
         (
             OverflowGuard,
             dict(update_freq=1.5),
@@ -223,6 +222,13 @@ def test_guard_checks_every_update_freq_batches(update_freq, stopped_step):
 def test_callback_bad_arguments(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
         cls(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["restore_weights", "raise_error"])
+def test_a_bool_argument_that_is_not_a_bool_is_a_type_error(name):
+    # As for every bool argument of tfmixprec (LossScaleOptimizer's dynamic too).
+    with pytest.raises(TypeError, match=rf"^{name} must be True or False. Received: {name}=1$"):
+        OverflowGuard(**{name: 1})
 
 
 @pytest.mark.parametrize(

@@ -128,12 +128,12 @@ def test_float16_without_loss_scaling_says_how_to_fix_it():
         )
     messages = [str(w.message) for w in record if "float16" in str(w.message)]
     assert messages == [
-        "Model 'net' computes in float16 but its optimizer (SGD) does not scale the loss: "
-        "gradients below 2**-24 flush to zero in float16 and their weights stop learning. "
-        "Compile with optimizer=tfmixprec.LossScaleOptimizer(your_optimizer), or set the "
-        "mixed_float16 policy before building the model (tfmixprec.set_policy or "
-        "keras.mixed_precision.set_global_policy) so that compile() wraps it. "
-        "LossScaleMonitor runs without loss-scale values."
+        "Model 'net' computes in float16 but its optimizer (SGD) does not scale the loss, so "
+        "gradients below 2**-24 flush to zero and their weights stop learning "
+        "(LossScaleMonitor runs without loss-scale values). Compile with "
+        "optimizer=tfmixprec.LossScaleOptimizer(your_optimizer), or set the mixed_float16 "
+        "policy before building the model so that compile() wraps it. "
+        "See docs/guides/fit-and-callbacks.md."
     ]
     assert sorted(history.history) == ["loss"]
 

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import tfmixprec
 from tfmixprec import cpu_float16
+from tfmixprec._keras_compat import float32_product_call
 from tfmixprec._observe import observe
 from tfmixprec.hardware import GPUInfo, HardwareInfo
 
@@ -234,7 +235,7 @@ def test_finding_output_layers_keeps_the_float32_product():
     assert cpu_float16.fast_float16_layers(model, CPU_ONLY) == [model.hidden.name]
     # Finding a subclassed model's output layers replaces and restores each layer's call.
     assert [output.layer for output in observe(model).outputs] == [model.head]
-    assert vars(model.hidden)["call"].__func__ is cpu_float16._float32_product_call
+    assert vars(model.hidden)["call"].__func__ is float32_product_call
     assert "call" not in vars(model.head)
 
 

@@ -15,14 +15,14 @@ def test_doctor_report_prints_and_warns(capsys):
     assert report.recommended_policy == "mixed_bfloat16"
     assert report.current_policy == "mixed_float16"
     assert len(report.warnings) == 1
-    assert "Conv2DBackpropFilter (up to ~600x float32)" in report.warnings[0]
+    assert "routes around TensorFlow's slow float16 CPU kernels" in report.warnings[0]
     assert "for speed on this machine use 'mixed_bfloat16'" in report.warnings[0].lower()
     assert f"TensorFlow        {tf.__version__}" in out
     assert "CPU bfloat16      yes (AVX512_BF16: no, AMX_BF16: yes)" in out
     assert "GPUs              none" in out
     assert "recommended       mixed_bfloat16: no GPU" in out
-    assert "WARNING: mixed_float16 without a GPU: float16 is fast on NVIDIA Tensor Cores" in out
-    assert "Some of TensorFlow's float16 CPU kernels are slow, not float16" in out
+    assert "WARNING: mixed_float16 without a GPU is at best about as fast as float32" in out
+    assert "See docs/guides/float16-on-cpus.md." in out
     # One message: doctor says what set_policy("mixed_float16") warns on this hardware.
     assert report.warnings[0] == tfmixprec.policy.float16_without_gpu_note(hw)
     data = report.to_dict()
@@ -54,7 +54,7 @@ def test_doctor_says_when_the_cpu_float16_workarounds_are_off():
         report = tfmixprec.doctor(HardwareInfo(cpu_name="Test CPU"), print_report=False)
     finally:
         tfmixprec.cpu_float16.enable()
-    assert "workarounds are off (tfmixprec.cpu_float16.disable())" in report.warnings[0]
+    assert "slow float16 CPU kernels are off" in report.warnings[0]
 
 
 def test_doctor_warns_xla_with_bfloat16_on_amx():

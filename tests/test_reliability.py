@@ -331,7 +331,7 @@ CATALOG = [
     (
         "guard raise_error",
         lambda s: tfmixprec.OverflowGuard(raise_error="no"),
-        ValueError,
+        TypeError,
         r"raise_error='no'",
     ),
     ("gradient data", lambda s: tfmixprec.GradientRangeMonitor("batch"), ValueError, r"type str"),

@@ -238,7 +238,7 @@ def test_a_dynamic_scale_given_for_a_bfloat16_model_is_kept_with_a_warning():
         "The model computes in bfloat16, whose range is float32's: it needs no loss scaling, "
         "yet its tfmixprec.LossScaleOptimizer has a dynamic scale from 32768. Pass the plain "
         "optimizer (e.g. compile(optimizer='adam')): tfmixprec then uses a fixed scale of 1, "
-        "which still skips Inf/NaN steps."
+        "which still skips Inf/NaN steps. See docs/guides/fit-and-callbacks.md."
     ]
     assert caught[0].filename == __file__  # points at the user's compile call
     assert model.optimizer is given and given.dynamic

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfmixprec._keras_compat import set_compiled_optimizer
 from tfmixprec._layers import iter_layers
+from tfmixprec._text import docs_page
 from tfmixprec.loss_scale import format_scale
 from tfmixprec.optimizer import LossScaleOptimizer
 from tfmixprec.state_guard import guarded_step
@@ -69,11 +70,11 @@ def adopt_at_train_begin(model: Any, who: str) -> LossScaleOptimizer | None:
     if dtype == "float16":
         line = (
             f"Model {model.name!r} computes in float16 but its optimizer ({name}) does not "
-            "scale the loss: gradients below 2**-24 flush to zero in float16 and their "
-            "weights stop learning. Compile with optimizer=tfmixprec.LossScaleOptimizer("
-            "your_optimizer), or set the mixed_float16 policy before building the model "
-            "(tfmixprec.set_policy or keras.mixed_precision.set_global_policy) so that "
-            f"compile() wraps it. {who} runs without loss-scale values."
+            "scale the loss, so gradients below 2**-24 flush to zero and their weights stop "
+            f"learning ({who} runs without loss-scale values). Compile with "
+            "optimizer=tfmixprec.LossScaleOptimizer(your_optimizer), or set the mixed_float16 "
+            "policy before building the model so that compile() wraps it. "
+            f"{docs_page('guides/fit-and-callbacks')}"
         )
         _say_once(model, "float16", line, warn=True)
         return None

@@ -6,7 +6,8 @@ A Keras release that changes one of these touches this file only. Minimum versio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -29,6 +30,8 @@ from keras.src.models.model import functional_init_arguments  # noqa: F401  (re-
 from keras.src.utils.tracking import no_automatic_dependency_tracking  # noqa: F401
 
 __all__ = [
+    "ARCHIVE_CONFIG",
+    "ARCHIVE_WEIGHTS",
     "Functional",
     "KerasLossScaleHooks",
     "MultiWorkerFit",
@@ -37,13 +40,17 @@ __all__ = [
     "build_shapes",
     "call_losses",
     "built_variables",
+    "float32_convolution_call",
+    "float32_product_call",
     "functional_init_arguments",
     "no_automatic_dependency_tracking",
     "producing_layer",
     "producing_output_index",
     "replace_train_step",
     "set_call_losses",
+    "saved_optimizer_wrapped",
     "set_compiled_optimizer",
+    "tensorboard_log_dir",
     "tensorboard_batch_work",
     "tensorboard_step",
     "tensorboard_writer",
@@ -122,6 +129,38 @@ def tensorboard_writer(callback: Any) -> Any:
 def tensorboard_step(callback: Any) -> int:
     """The global train-batch counter a `keras.callbacks.TensorBoard` writes batch steps at."""
     return callback._global_train_batch
+
+
+@contextlib.contextmanager
+def tensorboard_log_dir(callback: Any, directory: str | None) -> Iterator[None]:
+    """Inside: `callback.log_dir` is `directory` (None: left alone), then the user's again.
+
+    Why: `keras.callbacks.TensorBoard.set_model` derives its run folders (`train`,
+    `validation`) from `log_dir` and keeps them privately; a worker other than the chief must
+    write into a folder of its own without changing the `log_dir` the user reads and
+    `get_config` saves."""
+    log_dir = callback.log_dir
+    if directory is not None:
+        callback.log_dir = directory
+    try:
+        yield
+    finally:
+        callback.log_dir = log_dir
+
+
+# Why: the audit reads a `.keras` archive as Keras's saving library lays it out (its
+# `saving_lib`): the model's config and its variables, with the optimizer's in a group of its
+# own (an `inner_optimizer` group inside it for a loss-scale wrapper).
+ARCHIVE_CONFIG = "config.json"
+ARCHIVE_WEIGHTS = "model.weights.h5"
+
+
+def saved_optimizer_wrapped(weights: Any) -> bool | None:
+    """Whether the optimizer state in an open `model.weights.h5` (an `h5py.File`) is a
+    loss-scale wrapper's (it has an inner optimizer), or None when it holds none."""
+    if "optimizer" not in weights:
+        return None
+    return "inner_optimizer" in weights["optimizer"]
 
 
 def tensorboard_batch_work(callback: Any) -> bool:
@@ -388,3 +427,81 @@ def set_call_losses(layer: Any, losses: list[Any]) -> None:
     if hasattr(layer, "_losses"):
         layer._losses[:] = losses
 
+
+# Why: `tfmixprec.cpu_float16` computes a float16 layer's product in float32 (TensorFlow's
+# float16 CPU kernels are slow; benchmarks/RESULTS.md, 2b). Keras's `Dense`, `EinsumDense`
+# and convolution layers have no hook for the product's dtype, so these re-implement their
+# `call` (Keras 3.12 to 3.15) with the product in float32 and the rest as Keras does it.
+def float32_product_call(layer: Any, inputs: Any, training: Any = None) -> Any:
+    """`Dense.call` / `EinsumDense.call` with the product in float32.
+
+    The kernel is read in float16 first, so its gradient passes a float16 cast and overflows
+    where a float16 product's would; bias and activation stay in float16, as in Keras.
+    """
+    kernel = tf.cast(keras.ops.cast(layer.kernel, layer.compute_dtype), tf.float32)
+    inputs = tf.cast(inputs, tf.float32)
+    if isinstance(layer, keras.layers.EinsumDense):
+        x = tf.einsum(layer.equation, inputs, kernel)
+    else:
+        x = keras.ops.matmul(inputs, kernel)
+    x = tf.cast(x, layer.compute_dtype)
+    if layer.bias is not None:
+        x = keras.ops.add(x, layer.bias)
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x
+
+
+def _read_in_float32(layer: Any, variable: Any) -> tf.Tensor:
+    """A kernel read in the compute dtype, then cast to float32: its gradient passes a
+    float16 cast and overflows where a float16 product's would."""
+    return tf.cast(keras.ops.cast(variable, layer.compute_dtype), tf.float32)
+
+
+def _convolution_in_float32(layer: Any, inputs: tf.Tensor) -> tf.Tensor:
+    """The convolution of `layer`'s own `call` (Keras's `Conv1D`, transposed, depthwise and
+    separable convolutions call `keras.ops` directly, not `convolution_op`), in float32."""
+    ops, common = keras.ops, dict(padding=layer.padding, data_format=layer.data_format)
+    if isinstance(layer, keras.layers.SeparableConv1D | keras.layers.SeparableConv2D):
+        depthwise = _read_in_float32(layer, layer.depthwise_kernel)
+        pointwise = _read_in_float32(layer, layer.pointwise_kernel)
+        return ops.separable_conv(
+            inputs, depthwise, pointwise, layer.strides, dilation_rate=layer.dilation_rate, **common
+        )
+    kernel = _read_in_float32(layer, layer.kernel)
+    if isinstance(layer, keras.layers.DepthwiseConv1D | keras.layers.DepthwiseConv2D):
+        return ops.depthwise_conv(
+            inputs, kernel, layer.strides, dilation_rate=layer.dilation_rate, **common
+        )
+    if "Transpose" in type(layer).__name__:
+        return ops.conv_transpose(
+            inputs,
+            kernel,
+            list(layer.strides),
+            output_padding=layer.output_padding,
+            dilation_rate=layer.dilation_rate,
+            **common,
+        )
+    if layer.padding == "causal":  # Conv1D: pad the past, as Keras's own call does
+        left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
+        axis = 1 if layer.data_format == "channels_last" else 2
+        inputs = ops.pad(inputs, [(left, 0) if i == axis else (0, 0) for i in range(3)])
+        common["padding"] = "valid"
+    return ops.conv(
+        inputs, kernel, list(layer.strides), dilation_rate=layer.dilation_rate, **common
+    )
+
+
+def float32_convolution_call(layer: Any, inputs: Any) -> Any:
+    """A convolution layer's `call` (one that does not use `convolution_op`) with the
+    convolution in float32; bias and activation in float16, as in Keras."""
+    x = tf.cast(_convolution_in_float32(layer, tf.cast(inputs, tf.float32)), layer.compute_dtype)
+    if layer.bias is not None:
+        channels = (layer.bias.shape[0],)
+        shape = (1,) * (layer.rank + 1) + channels
+        if layer.data_format != "channels_last":
+            shape = (1,) + channels + (1,) * layer.rank
+        x = keras.ops.add(x, keras.ops.reshape(layer.bias, shape))
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x

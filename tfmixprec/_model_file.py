@@ -24,6 +24,7 @@ from typing import Any
 import h5py
 import keras
 
+from tfmixprec._keras_compat import ARCHIVE_CONFIG, ARCHIVE_WEIGHTS, saved_optimizer_wrapped
 from tfmixprec._layers import iter_layers
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
@@ -81,7 +82,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, bool | Non
     if zipfile.is_zipfile(path):
         with _load_errors(path), zipfile.ZipFile(path) as archive:
             _refuse_bombs(path, archive)
-            config = _json_object(path, "config.json", archive.read("config.json"))
+            config = _json_object(path, ARCHIVE_CONFIG, archive.read(ARCHIVE_CONFIG))
         compile_config = config.get("compile_config")
         if not isinstance(compile_config, (dict, type(None))):
             raise ValueError(
@@ -111,7 +112,7 @@ def _refuse_bombs(path: Path, archive: zipfile.ZipFile) -> None:
     `EXPANSION_FLOOR` and over `EXPANSION_LIMIT` times what it stores."""
     for info in archive.infolist():
         mib = info.file_size / (1 << 20)
-        if info.filename == "config.json" and info.file_size > CONFIG_LIMIT:
+        if info.filename == ARCHIVE_CONFIG and info.file_size > CONFIG_LIMIT:
             raise ValueError(
                 f"{str(path)!r} declares a config.json of {mib:.1f} MiB; a model's config is "
                 f"far smaller (the audit reads at most {CONFIG_LIMIT >> 20} MiB): not a file "
@@ -162,11 +163,9 @@ def _wrapped_optimizer(path: Path) -> bool | None:
     """Whether the saved optimizer was a loss-scale wrapper (its state has an inner
     optimizer), or None when the archive keeps no optimizer state."""
     try:
-        with zipfile.ZipFile(path) as archive, archive.open("model.weights.h5") as weights:
+        with zipfile.ZipFile(path) as archive, archive.open(ARCHIVE_WEIGHTS) as weights:
             with h5py.File(weights, "r") as file:
-                if "optimizer" not in file:
-                    return None
-                return "inner_optimizer" in file["optimizer"]
+                return saved_optimizer_wrapped(file)
     except (KeyError, OSError):  # no (readable) weights file: Keras's default decides
         return None
 

@@ -1,4 +1,5 @@
-"""Text the reports share: markdown tables (audit, overflow report, diagnosis)."""
+"""Text the reports share: markdown tables (audit, overflow report, diagnosis) and the
+links to the docs pages that warnings end with."""
 
 from __future__ import annotations
 
@@ -13,3 +14,9 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return lines
+
+
+def docs_page(page: str) -> str:
+    """The link a warning ends with: `See docs/<page>.md.` (the page in the repository's docs
+    folder, which the docs site is built from)."""
+    return f"See docs/{page}.md."

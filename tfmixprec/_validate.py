@@ -6,9 +6,15 @@ import math
 import numbers
 from typing import Any
 
-# float32's finite, normal range: a loss scale outside it becomes 0 or inf on the device.
-FLOAT32_TINY = 2.0**-126
-FLOAT32_MAX = 3.4028234663852886e38
+from tfmixprec._dtypes import FLOAT32_MAX, FLOAT32_TINY
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Returns `value` if it is True or False; anything else (1, "yes") is a `TypeError`, as
+    for every bool argument of tfmixprec."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False. Received: {name}={value!r}")
+    return value
 
 
 def is_number(value: Any) -> bool:

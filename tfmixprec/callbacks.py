@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfmixprec._fit_hooks import Diagnoser
 from tfmixprec._fit_reader import FitReader
-from tfmixprec._validate import check_int_at_least_one
+from tfmixprec._validate import check_bool, check_int_at_least_one
 from tfmixprec.attribution import overflow_report
 from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.loss_scale import LOG_KEYS, format_scale
@@ -31,41 +31,24 @@ class LossScaleMonitor(keras.callbacks.Callback):
     """Adds `loss_scale`, `overflow`, `overflow_steps` and `skipped_fraction` to the logs.
 
     At every batch end the values are added as tensors read from the optimizer (no host
-    sync); at epoch end as Python floats (the values after the epoch's last step, and as
-    `overflow` the epoch's number of overflow steps). With
-    `verbose=1`, every `update_freq` batches it prints one line when there were overflows
-    since the last report, naming the layers whose gradients were not finite at the last one
-    (`tfmixprec.overflow_report`); see the report's wording below.
+    sync); at epoch end as Python floats, with `overflow` the epoch's number of overflow
+    steps. `loss_scale` is the current scale, `overflow_steps` the total since the optimizer
+    was created, `skipped_fraction` that total over all steps. With `verbose=1`, every
+    `update_freq` steps with overflows since the last report it prints one line, e.g.
+    `overflow at step 6 (0-based, skipped steps counted), loss scale 32768 -> 16384;
+    gradients not finite in: dense` (with several: `3 overflows in steps 4-11, the last at
+    step 9 (...)`). Steps are the optimizer's own count, right with any `steps_per_execution`.
 
-    The values: `loss_scale`, the current scale; `overflow`, the number of overflow (skipped)
-    steps in the span the value covers (one step in batch logs, so 0 or 1; the epoch in epoch
-    logs; the write interval in TensorBoard); `overflow_steps`, the total since the optimizer
-    was created; `skipped_fraction`, `overflow_steps` over all steps.
+    With `diagnose=N` the batches of the first N overflow steps of each `fit` are replayed
+    with `tfmixprec.explain_overflow` right after their step (any model with loss scaling,
+    compiled without XLA, one replica): the results go to `diagnoses` as
+    `(step, OverflowDiagnosis)` and, with `verbose=1`, are printed.
 
-    With `diagnose=N` (any model with loss scaling, Keras's own adopted, compiled without
-    XLA, one replica), the batches of the first N overflow steps of each `fit` are kept on
-    the host and replayed with `tfmixprec.explain_overflow` right after their step: the
-    results go to `diagnoses` as `(step, OverflowDiagnosis)` and, with `verbose=1`, are
-    printed. Without loss scaling (a plain optimizer under bfloat16 or float32) no step is
-    skipped, so there is nothing to replay.
-
-    Steps are numbered by the optimizer's own counters (0-based, skipped steps counted, as
-    `tfmixprec.explain_overflow` numbers them), so the numbers are right with any
-    `steps_per_execution`; `update_freq` counts steps too (a report due inside an execution
-    comes at its end). A report with one overflow reads `overflow at step 6 (0-based, skipped
-    steps counted), loss scale 32768 -> 16384; gradients not finite in: dense`; with several,
-    `3 overflows in steps 4-11, the last at step 9 (...)`.
-
-    On a plain `keras.Model` (Keras's `train_step`): under `mixed_float16`, Keras's `compile`
-    wraps the optimizer in its own `keras.optimizers.LossScaleOptimizer`; when `fit` sets its
-    model, before any callback's `on_train_begin` (so a `BackupAndRestore` anywhere in the list
-    restores into it), this callback (like every tfmixprec callback) replaces it by
-    `tfmixprec.LossScaleOptimizer.from_keras(...)` (same inner optimizer and settings; a used
-    one's state carried over),
-    saying so in one printed line per model. Under `mixed_bfloat16` or `float32` with a plain
-    optimizer there is nothing to scale: it prints once that no loss scaling is needed and
-    adds no loss-scale values. A float16 model with a plain optimizer gets a
-    `RuntimeWarning` (gradients underflow; how to wrap the optimizer).
+    On a plain `keras.Model` compiled under `mixed_float16`, Keras's own
+    `keras.optimizers.LossScaleOptimizer` is replaced by `tfmixprec.LossScaleOptimizer` when
+    `fit` sets the callback's model (as every tfmixprec callback does; said in one line per
+    model). Without loss scaling (bfloat16 or float32 with a plain optimizer) it says once
+    that none is needed and adds nothing; float16 without it gets a `RuntimeWarning`.
 
     Args:
         verbose: Int. 0 (silent) or 1 (print overflow events).
@@ -205,8 +188,8 @@ class OverflowGuard(keras.callbacks.Callback):
         verbose: Int. 1 prints the stop message.
 
     Raises:
-        ValueError: If `patience`, `max_consecutive` or `update_freq` is not an integer >= 1,
-            or `restore_weights` / `raise_error` is not a bool.
+        ValueError: If `patience`, `max_consecutive` or `update_freq` is not an integer >= 1.
+        TypeError: If `restore_weights` or `raise_error` is not a bool.
 
     Example:
 
@@ -227,11 +210,8 @@ class OverflowGuard(keras.callbacks.Callback):
         self.patience = check_int_at_least_one("patience", patience)
         self.max_consecutive = check_int_at_least_one("max_consecutive", max_consecutive)
         self.update_freq = check_int_at_least_one("update_freq", update_freq)
-        for name, value in (("restore_weights", restore_weights), ("raise_error", raise_error)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False. Received: {name}={value!r}")
-        self.restore_weights = restore_weights
-        self.raise_error = raise_error
+        self.restore_weights = check_bool("restore_weights", restore_weights)
+        self.raise_error = check_bool("raise_error", raise_error)
         self.verbose = verbose
         self.stopped_step: int | None = None
         self.stop_message: str | None = None

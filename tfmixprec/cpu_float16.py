@@ -1,34 +1,18 @@
 """float16 at float32 speed on CPUs: route around TensorFlow's slow float16 CPU kernels.
 
-float16 on a CPU is not slow; some of TensorFlow's float16 CPU kernels are. Measured with
-TensorFlow 2.21 (benchmarks/RESULTS.md, 2b) on three 2-core machines: a Sapphire Rapids Xeon
-(AVX512_FP16, AMX), an AMD EPYC with AVX512_BF16 but no AVX512_FP16, and an AMD EPYC Zen 3
-(no AVX-512 at all):
+Some of TensorFlow's float16 CPU kernels are many times slower than float32 (the figures,
+per machine: benchmarks/RESULTS.md, 2b, and `python benchmarks/cpu_kernels.py`). Three
+workarounds, on by default where a float16 policy meets a machine without a GPU or TPU:
 
-- `Conv2DBackpropFilter` (the convolution filter gradient) in float16 is about 600x slower
-  than float32 on the Xeon and the AVX512_BF16 EPYC (6.3 s vs 10.8 ms), 2.5x on the Zen 3.
-  The fix: float16 convolution layers compute their convolution in float32 (inputs and
-  kernel cast up, output cast back to float16), so forward, input gradient and filter
-  gradient all run float32 kernels.
-- grappler's remapper fuses MatMul + BiasAdd into `_FusedMatMul`, whose float16 CPU kernel
-  was about 200x slower than float32 on the Xeon (a `Dense` forward: 265 ms; unfused float16:
-  1.4 ms); on the EPYCs it is not. The fix: the remapper off once a float16 policy or
-  model meets a machine without a GPU
-  (`tf.config.optimizer.set_experimental_options({"remapping": False})`, process-wide, as
-  the policy is); measured not to slow float32 or bfloat16 models.
-- Without AVX512_FP16 float16 matmuls fall back to slower kernels: 1.1-1.5x float32 for a
-  plain or transposed matmul, 3x for attention's batched einsum (Zen 3). The fix: float16
-  `Dense` and `EinsumDense` layers compute their product in float32 the same way
-  (`python benchmarks/cpu_kernels.py` times each kernel and its float32 route).
+- float16 convolution layers compute their convolution in float32 (inputs and kernel cast
+  up, the output cast back), so the forward pass and both gradients run float32 kernels;
+- grappler's remapper is turned off (process-wide, as the policy is), so MatMul + BiasAdd is
+  not fused into `_FusedMatMul`, whose float16 CPU kernel is slow on some CPUs;
+- float16 `Dense` and `EinsumDense` layers compute their product in float32 the same way.
 
-With all three, float16 trains within 1.2x of float32's step time on the Zen 3: a 4x2048 MLP
-1.00x, a CNN 1.15x, a Transformer block 0.96x (plain Keras float16: 0.10x, 0.29x and 0.90x
-of float32's throughput, even at batch 16).
-
-In each case the layer's output, its variables and its saved file are unchanged, the values
-agree within float16 rounding, and an overflow past float16's range is still `inf`. All are
-on by default where they help (a float16 policy and no GPU) and never on a GPU; `enable` /
-`disable` switch them.
+A layer's output, variables and saved file are unchanged; values agree within float16
+rounding, and an overflow past float16's range is still `inf`. `enable` / `disable` switch
+them.
 """
 
 from __future__ import annotations
@@ -41,6 +25,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmixprec._keras_compat import float32_convolution_call, float32_product_call
 from tfmixprec._layers import iter_layers
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 
@@ -97,81 +82,6 @@ def _float32_convolution(layer: Any, inputs: Any, kernel: Any) -> Any:
     return tf.cast(result, layer.compute_dtype)
 
 
-def _float32_product_call(layer: Any, inputs: Any, training: Any = None) -> Any:
-    """`Dense.call` / `EinsumDense.call` with the product in float32.
-
-    The kernel is read in float16 first, so its gradient passes a float16 cast and overflows
-    where a float16 product's would; bias and activation stay in float16, as in Keras.
-    """
-    kernel = tf.cast(keras.ops.cast(layer.kernel, layer.compute_dtype), tf.float32)
-    inputs = tf.cast(inputs, tf.float32)
-    if isinstance(layer, keras.layers.EinsumDense):
-        x = tf.einsum(layer.equation, inputs, kernel)
-    else:
-        x = keras.ops.matmul(inputs, kernel)
-    x = tf.cast(x, layer.compute_dtype)
-    if layer.bias is not None:
-        x = keras.ops.add(x, layer.bias)
-    if layer.activation is not None:
-        x = layer.activation(x)
-    return x
-
-
-def _float32_read(layer: Any, variable: Any) -> tf.Tensor:
-    """A kernel read in the compute dtype, then cast to float32: its gradient passes a
-    float16 cast and overflows where a float16 product's would."""
-    return tf.cast(keras.ops.cast(variable, layer.compute_dtype), tf.float32)
-
-
-def _convolution_in_float32(layer: Any, inputs: tf.Tensor) -> tf.Tensor:
-    """The convolution of `layer`'s own `call` (Keras's `Conv1D`, transposed, depthwise and
-    separable convolutions call `keras.ops` directly, not `convolution_op`), in float32."""
-    ops, common = keras.ops, dict(padding=layer.padding, data_format=layer.data_format)
-    if isinstance(layer, keras.layers.SeparableConv1D | keras.layers.SeparableConv2D):
-        depthwise = _float32_read(layer, layer.depthwise_kernel)
-        pointwise = _float32_read(layer, layer.pointwise_kernel)
-        return ops.separable_conv(
-            inputs, depthwise, pointwise, layer.strides, dilation_rate=layer.dilation_rate, **common
-        )
-    kernel = _float32_read(layer, layer.kernel)
-    if isinstance(layer, keras.layers.DepthwiseConv1D | keras.layers.DepthwiseConv2D):
-        return ops.depthwise_conv(
-            inputs, kernel, layer.strides, dilation_rate=layer.dilation_rate, **common
-        )
-    if "Transpose" in type(layer).__name__:
-        return ops.conv_transpose(
-            inputs,
-            kernel,
-            list(layer.strides),
-            output_padding=layer.output_padding,
-            dilation_rate=layer.dilation_rate,
-            **common,
-        )
-    if layer.padding == "causal":  # Conv1D: pad the past, as Keras's own call does
-        left = layer.dilation_rate[0] * (layer.kernel_size[0] - 1)
-        axis = 1 if layer.data_format == "channels_last" else 2
-        inputs = ops.pad(inputs, [(left, 0) if i == axis else (0, 0) for i in range(3)])
-        common["padding"] = "valid"
-    return ops.conv(
-        inputs, kernel, list(layer.strides), dilation_rate=layer.dilation_rate, **common
-    )
-
-
-def _float32_convolution_call(layer: Any, inputs: Any) -> Any:
-    """A convolution layer's `call` (one that does not use `convolution_op`) with the
-    convolution in float32; bias and activation in float16, as in Keras."""
-    x = tf.cast(_convolution_in_float32(layer, tf.cast(inputs, tf.float32)), layer.compute_dtype)
-    if layer.bias is not None:
-        channels = (layer.bias.shape[0],)
-        shape = (1,) * (layer.rank + 1) + channels
-        if layer.data_format != "channels_last":
-            shape = (1,) + channels + (1,) * layer.rank
-        x = keras.ops.add(x, keras.ops.reshape(layer.bias, shape))
-    if layer.activation is not None:
-        x = layer.activation(x)
-    return x
-
-
 # What each workaround replaces, on which layers (measured reasons in the module docstring).
 # A subclass that overrides `call` keeps its own (the replacement re-implements Keras's).
 _PRODUCT_CLASSES = (keras.layers.Dense, keras.layers.EinsumDense)
@@ -195,9 +105,9 @@ def _float32_method(layer: Any) -> tuple[str, Any] | None:
     if call is keras.layers.Conv2D.call:  # Keras's base convolution: through convolution_op
         return "convolution_op", _float32_convolution
     if any(call is cls.call for cls in _CONVOLUTION_CALLS):
-        return "call", _float32_convolution_call
+        return "call", float32_convolution_call
     if any(call is cls.call for cls in _PRODUCT_CLASSES):
-        return "call", _float32_product_call
+        return "call", float32_product_call
     return None
 
 

@@ -35,6 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmixprec._dtypes import DTYPE_MAX, FLOAT32_MAX
 from tfmixprec._keras_compat import replace_train_step
 from tfmixprec._layers import (
     check_built_model,
@@ -55,7 +56,6 @@ __all__ = ["KeptBatch", "LayerReplay", "OverflowBatches", "OverflowDiagnosis", "
 CAUSES = ("bad-data", "forward-overflow", "loss-overflow", "backward-overflow", "underflow", "none")
 UNDERFLOW_SHARE = 0.01  # at least this share of gradients flushing to zero is worth a word
 _MAX_HALVINGS = 40
-_DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895e38, "float32": 3.4028e38}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +282,7 @@ def _bad_data(data: tuple) -> OverflowDiagnosis | None:
 
 def _forward_advice(dtype: str, float32_max: float) -> str:
     """What the float32 replay says of a layer whose output overflowed in `dtype`."""
-    limit = _DTYPE_MAX.get(dtype, math.inf)
+    limit = DTYPE_MAX.get(dtype, math.inf)
     fix = 'Run it in float32 (dtype="float32" on the layer), or use mixed_bfloat16'
     if not math.isfinite(float32_max):
         return (
@@ -290,7 +290,7 @@ def _forward_advice(dtype: str, float32_max: float) -> str:
             "precision (lower the learning rate, check the initialization)."
         )
     if float32_max > limit:
-        fits = [name for name in ("float32", "bfloat16") if float32_max <= _DTYPE_MAX[name]]
+        fits = [name for name in ("float32", "bfloat16") if float32_max <= DTYPE_MAX[name]]
         return (
             f"its outputs reach {float32_max:.4g} in float32, past {dtype}'s {limit:.6g}; it "
             f"would be finite in {' and '.join(fits)}. {fix}."
@@ -304,7 +304,7 @@ def _forward_advice(dtype: str, float32_max: float) -> str:
 
 def _input_advice(dtype: str, input_max: float) -> str:
     """Why a layer's inputs were not finite although no layer before it made a NaN/Inf."""
-    limit = _DTYPE_MAX.get(dtype, math.inf)
+    limit = DTYPE_MAX.get(dtype, math.inf)
     if input_max > limit:
         return (
             f"its inputs reach {input_max:.4g} in float32, past {dtype}'s {limit:.6g}, so they "
@@ -373,7 +373,7 @@ def _classify(
     if found is not None:
         return found
     scaled = run.loss * scale
-    if not math.isfinite(run.loss) or not math.isfinite(scaled) or scaled > 3.4028e38:
+    if not math.isfinite(run.loss) or not math.isfinite(scaled) or scaled > FLOAT32_MAX:
         what = (
             "the loss" if not math.isfinite(run.loss) else f"the loss times {format_scale(scale)}"
         )

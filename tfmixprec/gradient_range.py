@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._adoption import loss_scaling_of
+from tfmixprec._dtypes import FLOAT16_MAX, FLOAT16_SMALLEST_NORMAL, FLOAT16_TINIEST
 from tfmixprec._fit_reader import FitReader
 from tfmixprec._layers import compiled_loss, loss_value
 from tfmixprec._validate import check_int_at_least_one
@@ -24,9 +25,6 @@ from tfmixprec.unscaling import gradient_values
 
 __all__ = ["GradientRangeMonitor", "GradientRangeStats", "gradient_range_stats"]
 
-FLOAT16_TINIEST = 2.0**-24  # smallest float16 subnormal: below it, values flush to zero
-FLOAT16_SMALLEST_NORMAL = 2.0**-14
-FLOAT16_MAX = 65504.0
 
 
 @dataclasses.dataclass

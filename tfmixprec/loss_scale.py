@@ -22,7 +22,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec._validate import check_float32_scale, check_int_at_least_one, is_number
+from tfmixprec._text import docs_page
+from tfmixprec._validate import check_bool, check_float32_scale, check_int_at_least_one, is_number
 from tfmixprec.unscaling import UnscaleLedger, gradient_values
 
 __all__ = ["LossScaleConfig"]  # what the package exports; the rest is internal
@@ -62,8 +63,7 @@ class LossScaleConfig:
     hysteresis: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dynamic, bool):
-            raise TypeError(f"dynamic must be True or False. Received: dynamic={self.dynamic!r}")
+        check_bool("dynamic", self.dynamic)
         fields = {
             "initial_scale": check_float32_scale("initial_scale", self.initial_scale),
             "growth_interval": check_int_at_least_one("growth_interval", self.growth_interval),
@@ -532,11 +532,11 @@ def min_scale_report(state: LossScale) -> str | None:
         return None
     return (
         f"Gradients were not finite at step {step} (0-based, skipped steps counted) "
-        f"although the loss scale was already at min_scale={state.config.min_scale!r}: "
-        "that step was skipped. Lowering the scale cannot fix this; likely causes are "
-        "NaN/Inf in the inputs or labels, a learning rate that is too high, or a layer "
-        "(softmax, loss, output) that must run in float32. Fix the data or model, or "
-        "lower min_scale."
+        f"although the loss scale was already at min_scale={state.config.min_scale!r}, "
+        "where lowering it cannot help: that step was skipped. Likely causes are NaN/Inf in "
+        "the inputs or labels, a learning rate that is too high, or a layer (softmax, loss, "
+        "output) that must run in float32; fix the data or model, or lower min_scale. "
+        f"{docs_page('guides/why-overflow')}"
     )
 
 

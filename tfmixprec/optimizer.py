@@ -21,6 +21,7 @@ from tfmixprec._keras_compat import (
     no_automatic_dependency_tracking,
 )
 from tfmixprec._state_file import load, save
+from tfmixprec._text import docs_page
 from tfmixprec._validate import check_int_at_least_one, is_number
 from tfmixprec.accumulation import GradientAccumulator
 from tfmixprec.attribution import OverflowReport, build_report
@@ -164,9 +165,11 @@ def _config(
             )
         growth_interval = dynamic_growth_steps
     return LossScaleConfig(
-        initial_scale=2.0**15 if initial_scale is None else initial_scale,
-        dynamic=True if dynamic is None else dynamic,
-        growth_interval=2000 if growth_interval is None else growth_interval,
+        initial_scale=LossScaleConfig.initial_scale if initial_scale is None else initial_scale,
+        dynamic=LossScaleConfig.dynamic if dynamic is None else dynamic,
+        growth_interval=(
+            LossScaleConfig.growth_interval if growth_interval is None else growth_interval
+        ),
         **knobs,
     )
 
@@ -310,7 +313,8 @@ class _LossScaleReadout:
                 f"{self.accumulation_steps} micro-batches are summed, and the next fit's "
                 "first window counts them (its first applied step covers them). Make the "
                 "steps of a fit a multiple of accumulation_steps, or call "
-                "optimizer.discard_partial_window() to drop them.",
+                "optimizer.discard_partial_window() to drop them. "
+                f"{docs_page('guides/fit-and-callbacks')}",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -403,11 +407,11 @@ class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
         inner_optimizer: keras.optimizers.Optimizer | str,
         initial_scale: float | None = None,
         growth_interval: int | None = None,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
-        hysteresis: int = 1,
+        growth_factor: float = LossScaleConfig.growth_factor,
+        backoff_factor: float = LossScaleConfig.backoff_factor,
+        min_scale: float = LossScaleConfig.min_scale,
+        max_scale: float = LossScaleConfig.max_scale,
+        hysteresis: int = LossScaleConfig.hysteresis,
         dynamic: bool | None = None,
         on_min_scale: str = "warn",
         accumulation_steps: int = 1,
@@ -604,8 +608,8 @@ def _from_keras(cls: type, keras_optimizer: Any, kwargs: dict[str, Any]) -> Loss
     settings = dict(
         initial_scale=scales[0],
         growth_interval=keras_optimizer.dynamic_growth_steps,
-        min_scale=min(1.0, *scales),
-        max_scale=max(2.0**24, *scales),
+        min_scale=min(LossScaleConfig.min_scale, *scales),
+        max_scale=max(LossScaleConfig.max_scale, *scales),
         name=keras_optimizer.name,
     )
     new = cls(keras_optimizer.inner_optimizer, **{**settings, **kwargs})

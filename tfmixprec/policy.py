@@ -15,6 +15,7 @@ import keras
 from tfmixprec import cpu_float16
 from tfmixprec._layers import check_built_model, forget_traced_functions, iter_layers
 from tfmixprec._observe import observe
+from tfmixprec._text import docs_page
 from tfmixprec.hardware import GPUInfo, HardwareInfo, detect_hardware
 
 __all__ = [
@@ -182,31 +183,24 @@ def set_policy(name: str | keras.DTypePolicy, hardware: HardwareInfo | None = No
 
 
 def float16_without_gpu_note(hardware: HardwareInfo) -> str:
-    """Why `mixed_float16` is slow on a machine without a GPU, what tfmixprec does about it,
-    and the policy to use there instead (said by `set_policy`'s warning and by `doctor`)."""
+    """Why `mixed_float16` is slow on a machine without a GPU and what to do (said by
+    `set_policy`'s warning and by `doctor`): two sentences and the docs page."""
     head = (
-        "mixed_float16 without a GPU: float16 is fast on NVIDIA Tensor Cores; on a CPU it "
-        "is at best about as fast as float32. For speed on this machine use "
-        f"{choose_policy(hardware).name!r} (tfmixprec.set_policy('auto') picks it); keep "
-        "mixed_float16 on a CPU for testing a GPU setup. "
+        "mixed_float16 without a GPU is at best about as fast as float32: for speed on this "
+        f"machine use {choose_policy(hardware).name!r} (tfmixprec.set_policy('auto') picks it). "
     )
     if not cpu_float16.applies("mixed_float16", hardware):
-        return head + (
-            "tfmixprec's CPU float16 workarounds are off (tfmixprec.cpu_float16.disable()): "
-            "TensorFlow's float16 Conv2DBackpropFilter CPU kernel is up to ~600x slower than "
-            "float32, the fused MatMul up to ~200x on some CPUs. Turn them on with "
-            "tfmixprec.cpu_float16.enable()."
+        fix = (
+            "tfmixprec's routes around TensorFlow's slow float16 CPU kernels are off; "
+            "tfmixprec.cpu_float16.enable() turns them on."
         )
-    return head + (
-        "Some of TensorFlow's float16 CPU kernels are slow, not float16: Conv2DBackpropFilter "
-        "(up to ~600x float32), the _FusedMatMul that grappler's remapper makes on some CPUs "
-        "(~200x on a Sapphire Rapids Xeon, TF 2.21), and float16 matmuls without AVX512_FP16 "
-        "(1.1-3x). tfmixprec.cpu_float16 routes around them: the remapper is off for float16 "
-        "(tfmixprec.set_policy, MixedPrecisionModel.compile, make_train_step), and float16 "
-        "convolution, Dense and EinsumDense layers compute their products in float32 "
-        "(MixedPrecisionModel.compile and make_train_step do it; for a plain keras.Model call "
-        "tfmixprec.cpu_float16.fast_float16_layers(model))."
-    )
+    else:
+        fix = (
+            "tfmixprec.cpu_float16 routes around TensorFlow's slow float16 CPU kernels in "
+            "MixedPrecisionModel and make_train_step; for a plain keras.Model call "
+            "tfmixprec.cpu_float16.fast_float16_layers(model)."
+        )
+    return f"{head}{fix} {docs_page('guides/float16-on-cpus')}"
 
 
 def _user_stacklevel() -> int:
@@ -355,7 +349,7 @@ def _warn_if_still_low(model: keras.Model) -> None:
             f"float32_outputs left {len(left)} output(s) of model {model.name!r} in {left[0]}: "
             "an operation outside the layers it changed makes them (raw tensor arithmetic "
             "in a call, say). Cast them in the model's call: keras.ops.cast(output, "
-            "'float32').",
+            f"'float32'). {docs_page('guides/audit-in-ci')}",
             UserWarning,
             stacklevel=3,
         )
@@ -377,12 +371,11 @@ def _warn_if_not_saved(model: keras.Model, before: Any, changes: list[PolicyChan
         return
     names = ", ".join(repr(change.layer) for change in changes)
     warnings.warn(
-        f"float32_outputs changed {names} of model {model.name!r}, but the model's config does "
-        "not record layer dtypes (its class rebuilds its layers from its own arguments): a "
-        "model saved and loaded again computes them in the policy's dtype again. Call "
-        "tfmixprec.float32_outputs(model) again after loading, or build the model with a "
-        "float32 head if its class takes one (KerasHub's image classifiers: "
-        "head_dtype='float32').",
+        f"float32_outputs changed {names} of model {model.name!r}, but its config does not "
+        "record layer dtypes, so a saved and reloaded model computes them in the policy's "
+        "dtype again. Call tfmixprec.float32_outputs(model) again after loading, or build the "
+        "model with a float32 head if its class takes one (KerasHub's image classifiers: "
+        f"head_dtype='float32'). {docs_page('guides/audit-in-ci')}",
         UserWarning,
         stacklevel=3,
     )

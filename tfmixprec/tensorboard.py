@@ -17,7 +17,12 @@ from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
 from tfmixprec._fit_hooks import Diagnoser
 from tfmixprec._fit_reader import FitReader
-from tfmixprec._keras_compat import tensorboard_batch_work, tensorboard_step, tensorboard_writer
+from tfmixprec._keras_compat import (
+    tensorboard_batch_work,
+    tensorboard_log_dir,
+    tensorboard_step,
+    tensorboard_writer,
+)
 from tfmixprec.attribution import overflow_report
 from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.gradient_range import GradientRangeMonitor
@@ -117,14 +122,10 @@ class _ChiefWrites(keras.callbacks.TensorBoard):
     def set_model(self, model: Any) -> None:
         self._drop_worker_dir()  # left by an `evaluate`, `predict` or `fit` that did not end
         self._in_fit = False
-        log_dir = self.log_dir
-        if not _writes_summaries(model):  # Keras derives its run folders from log_dir here
+        if not _writes_summaries(model):  # a worker other than the chief
             self._worker_dir = tempfile.mkdtemp(prefix="tfmixprec-tb-worker-")
-            self.log_dir = self._worker_dir
-        try:
+        with tensorboard_log_dir(self, self._worker_dir):
             super().set_model(model)
-        finally:
-            self.log_dir = log_dir  # the user's, for get_config and a later fit
 
     def _drop_worker_dir(self) -> None:
         if self._worker_dir is not None:
@@ -156,28 +157,18 @@ class TensorBoard(_ChiefWrites):
     """`keras.callbacks.TensorBoard` plus loss-scale and overflow summaries.
 
     Everything Keras's callback writes is still written, except the loss-scale values of the
-    logs (`loss_scale`, `overflow`, ...), which are written once, here, under
-    `mixed_precision/`. At each write (every `update_freq` batches, or at epoch end with
-    `update_freq="epoch"`), it writes `mixed_precision/loss_scale`, `log2_loss_scale`,
-    `overflow_steps` (total), and after a write interval with overflows `overflow` (their
-    number; never 0, so TensorBoard's outlier setting cannot hide an event),
-    `layer_overflow_steps/<layer>` (each layer's total from `tfmixprec.overflow_report`) and
-    an `overflow_report` text; and,
-    with a `GradientRangeMonitor`, `mixed_precision/grad_underflow_fraction`,
-    `grad_subnormal_fraction` and a log2|g| histogram. `overflow` has the meaning it has in
-    the logs: the number of overflow (skipped) steps in the span the value covers (one step in
-    batch logs, so 0 or 1; the write interval here, so 1 at each overflow step with
-    `update_freq=1`). It also writes a custom-scalars layout named "Mixed precision". Batches
-    where it does not write cost no host sync. The step axis is the global batch (the epoch
-    with `"epoch"`).
+    logs, which are written once, here, under `mixed_precision/`. At each write (every
+    `update_freq` steps, or at epoch end with `update_freq="epoch"`): `loss_scale`,
+    `log2_loss_scale`, `overflow_steps` (total); after an interval with overflows, `overflow`
+    (their number, never written as 0, so TensorBoard's outlier setting cannot hide one),
+    `layer_overflow_steps/<layer>` and an `overflow_report` text; with a
+    `GradientRangeMonitor`, the gradient-range fractions and a log2|g| histogram. It also
+    writes the "Mixed precision" custom-scalars layout. Batches where it does not write cost
+    no host sync; the step axis is the global batch (the epoch with `"epoch"`).
 
     Under a multi-worker strategy only the chief writes (every worker may pass the same
-    `log_dir`); the other workers do all the rest, writing into a temporary folder that is
-    removed when training ends.
-
-    `get_config()` holds every argument of `keras.callbacks.TensorBoard`; `gradient_monitor`
-    is left out (a `GradientRangeMonitor` holds a data batch and is not serializable): pass
-    it again to a restored callback.
+    `log_dir`). `get_config()` holds every argument of Keras's callback but
+    `gradient_monitor` (it holds a data batch): pass it again to a restored callback.
 
     Args:
         log_dir: String. Where to write, as for Keras's callback.

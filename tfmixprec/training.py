@@ -21,6 +21,7 @@ from tfmixprec import cpu_float16
 from tfmixprec._fit_hooks import FitWatch, ProgressBar
 from tfmixprec._keras_compat import Functional, MultiWorkerFit, functional_init_arguments
 from tfmixprec._layers import iter_layers
+from tfmixprec._text import docs_page
 from tfmixprec.diagnosis import (
     OverflowBatches,
     cannot_keep_batches,
@@ -118,7 +119,7 @@ def _optimizer_for(
             "scaling, yet its tfmixprec.LossScaleOptimizer has a dynamic scale from "
             f"{optimizer.loss_scale_config.initial_scale:g}. Pass the plain optimizer (e.g. "
             "compile(optimizer='adam')): tfmixprec then uses a fixed scale of 1, which still "
-            "skips Inf/NaN steps.",
+            f"skips Inf/NaN steps. {docs_page('guides/fit-and-callbacks')}",
             UserWarning,
             stacklevel=3,
         )

@@ -6,10 +6,11 @@ unscaled since the last `scale_loss`. `UnscaleLedger` holds that fact in per-rep
 
 - `record` marks gradients as unscaled: per variable when the variables are known (the
   optimizer is built and they are named, or the list covers all of them), or all of them when
-  it runs before the optimizer is built ("blind", the first step of a TF 2 loop).
+  it runs before the optimizer is built (a record "before build": the first step of a TF 2
+  loop, whose variables are not known yet).
 - `unscale_for_apply` divides each gradient `apply` received by 1 or the scale and consumes
   the marks of the variables it applies, so two `apply` calls on two halves both see theirs.
-- `clear` (in `scale_loss`) starts a step with nothing marked.
+- `clear` (in `scale_loss`) starts a step with nothing recorded.
 
 Misuses that cannot be decided raise at run time (in eager mode at once) and change nothing.
 The variables are not checkpointed: they describe one step, not the training run.
@@ -38,21 +39,22 @@ UNSCALED_TWICE = (
     "scale_loss(); dividing them again would shrink the update by the loss scale. Call it once "
     "per step, on the gradients of the scaled loss."
 )
-BLIND_COUNT = (
+COUNT_BEFORE_BUILD = (
     "get_unscaled_gradients() ran before the optimizer was built, on a different number of "
     "gradients than the variables apply() built it with, so tfmixprec cannot tell which "
     "gradients are unscaled. Call optimizer.build(variables) first, or pass "
     "get_unscaled_gradients(grads, variables)."
 )
-BLIND_FLOAT8 = (
+FLOAT8_BEFORE_BUILD = (
     "get_unscaled_gradients() ran before the optimizer was built, so it could not leave alone "
     "the gradients of float8 variables (which Keras overwrites with their gradient): they were "
     "divided by the loss scale. Call optimizer.build(model.trainable_variables) before the "
     "first step, or pass get_unscaled_gradients(grads, variables)."
 )
 
-# Values of `blind`: a record before build, that did or did not know the float8 variables.
-_BLIND_ALL, _BLIND_KNOWN = 1, 2
+# Values of `before_build`: 0 no record before build; else one that divided every gradient
+# (`_ALL_DIVIDED`) or one that was told the variables and left the float8 ones alone.
+_ALL_DIVIDED, _FLOAT8_KEPT = 1, 2
 
 # Two fingerprints match within this relative tolerance (XLA may sum in another order).
 _FINGERPRINT_RTOL = 2.0**-10
@@ -97,15 +99,15 @@ def _replica_variable(value: Any, name: str) -> tf.Variable:
 class UnscaleLedger:
     """Per-replica run-time record of which gradients are already unscaled (see module doc).
 
-    `marked` says whether anything is recorded since the last `clear`; while it is 0 the other
-    variables are stale and ignored, so a step that records nothing (Keras 3's way, and `fit`)
+    `has_record` says whether anything is recorded since the last `clear`; while it is 0 the
+    other variables are stale and ignored, so a step that records nothing (Keras 3's way, and `fit`)
     costs one scalar write in `clear` and one scalar read and branch in `unscale_for_apply`.
     """
 
     def __init__(self) -> None:
-        self.marked = _replica_variable(0, "unscaled_marked")
-        self.blind = _replica_variable(0, "unscaled_blind")
-        self.blind_count = _replica_variable(0, "unscaled_blind_count")
+        self.has_record = _replica_variable(0, "unscaled_has_record")
+        self.before_build = _replica_variable(0, "unscaled_before_build")
+        self.count_before_build = _replica_variable(0, "unscaled_count_before_build")
         self.scaled_fingerprint = _replica_variable(0.0, "scaled_fingerprint")
         self.unscaled_fingerprint = _replica_variable(0.0, "unscaled_fingerprint")
         self.marks: tf.Variable | None = None  # one int per variable, made by `build`
@@ -116,7 +118,7 @@ class UnscaleLedger:
 
     def _check_replicas(self) -> None:
         ctx = tf.distribute.get_replica_context()
-        distributed = isinstance(self.marked, tf.distribute.DistributedValues)
+        distributed = isinstance(self.has_record, tf.distribute.DistributedValues)
         if ctx is not None and ctx.num_replicas_in_sync > 1 and not distributed:
             raise ValueError(
                 "get_unscaled_gradients() under a strategy with "
@@ -132,39 +134,40 @@ class UnscaleLedger:
         indices: list[int] | None,
         knew_float8: bool = False,
     ) -> Any:
-        """Marks `grads` as unscaled: the variables at `indices`, or all (blind) before build.
-        `knew_float8`: a blind record that was told the variables (float8 ones kept).
+        """Records `grads` as unscaled: the variables at `indices`, or (`indices` None, before
+        the optimizer is built) all of them. `knew_float8`: a record before build that was
+        told the variables (the float8 ones were left alone).
 
         Returns:
             The run-time check that `grads` were not already unscaled (an op to depend on).
         """
         self._check_replicas()
         scaled = fingerprint(grads)
-        marked = self.marked.read_value() > 0
-        again = tf.logical_and(marked, _close(scaled, self.unscaled_fingerprint.read_value()))
+        recorded = self.has_record.read_value() > 0
+        again = tf.logical_and(recorded, _close(scaled, self.unscaled_fingerprint.read_value()))
         check = _check(tf.logical_not(again), UNSCALED_TWICE)
         with tf.control_dependencies([check]):
             self.scaled_fingerprint.assign(scaled)
             self.unscaled_fingerprint.assign(scaled / tf.cast(scale, tf.float32))
             if indices is None:
-                self.blind.assign(_BLIND_KNOWN if knew_float8 else _BLIND_ALL)
-                self.blind_count.assign(len(grads))
+                self.before_build.assign(_FLOAT8_KEPT if knew_float8 else _ALL_DIVIDED)
+                self.count_before_build.assign(len(grads))
                 if self.marks is not None:  # a function traced before the optimizer was built
                     self.marks.assign(tf.zeros_like(self.marks.read_value()))
             else:
-                self.blind.assign(tf.where(marked, self.blind.read_value(), 0))
+                self.before_build.assign(tf.where(recorded, self.before_build.read_value(), 0))
                 marks = self.marks.read_value()
-                marks = tf.where(marked, marks, tf.zeros_like(marks))
+                marks = tf.where(recorded, marks, tf.zeros_like(marks))
                 updates = tf.ones([len(indices)], tf.int32)
                 self.marks.assign(
                     tf.tensor_scatter_nd_update(marks, [[i] for i in indices], updates)
                 )
-            self.marked.assign(1)
+            self.has_record.assign(1)
         return check
 
     def clear(self) -> None:
         """A new step: nothing is unscaled until the next `record`."""
-        self.marked.assign(0)
+        self.has_record.assign(0)
 
     def unscale_for_apply(
         self,
@@ -176,10 +179,10 @@ class UnscaleLedger:
     ) -> list[Any]:
         """The gradients `apply` received, each divided by `scale` unless already unscaled.
 
-        Consumes the marks of the variables at `indices`. Raises (at run time, changing
-        nothing) if the gradients treated as unscaled are the scaled ones that were recorded,
-        or if a blind record cannot be matched to the variables. With nothing recorded (Keras
-        3's way, `fit`) this is one read and one branch around the divisions.
+        Uses up the records of the variables at `indices`. Raises (at run time, changing
+        nothing) if the gradients claimed as unscaled are the scaled ones that were recorded,
+        or if a record made before build cannot be matched to the variables. With nothing
+        recorded (Keras 3's way, `fit`) this is one read and one branch around the divisions.
 
         Args:
             grads: The gradients `apply` received (`None` allowed).
@@ -198,7 +201,7 @@ class UnscaleLedger:
             return [divide(grads[i], i, divisors[i]) for i in present]
 
         outputs = tf.cond(
-            self.marked.read_value() > 0,
+            self.has_record.read_value() > 0,
             checked,
             lambda: [divide(grads[i], i, scale) for i in present],
         )
@@ -210,34 +213,41 @@ class UnscaleLedger:
     def _consume(
         self, grads: list[Any], indices: list[int], scale: tf.Tensor, has_float8: bool
     ) -> tf.Tensor:
-        blind_value = self.blind.read_value()
-        blind = blind_value > 0
+        """With a record since `clear`: the divisor of each gradient (1 for one recorded as
+        unscaled, else `scale`), after the run-time checks of misuse; the records of the
+        variables at `indices` are used up (another `apply` on other variables sees its own).
+        """
+        before_build = self.before_build.read_value()
+        all_recorded = before_build > 0  # a record before build covers every gradient
         marks = self.marks.read_value()
-        unscaled = tf.logical_or(tf.gather(marks, indices) > 0, blind)
+        unscaled = tf.logical_or(tf.gather(marks, indices) > 0, all_recorded)
         present = tf.constant([g is not None for g in grads], tf.bool)
-        treated = tf.logical_and(unscaled, present)
+        claimed_unscaled = tf.logical_and(unscaled, present)
 
         def looks_scaled() -> tf.Tensor:
             sums = tf.stack([fingerprint([g]) for g in grads])
-            received = tf.reduce_sum(tf.where(treated, sums, 0.0))
+            received = tf.reduce_sum(tf.where(claimed_unscaled, sums, 0.0))
             return tf.logical_and(
                 _close(received, self.scaled_fingerprint.read_value()),
                 tf.logical_not(_close(received, self.unscaled_fingerprint.read_value())),
             )
 
-        scaled_again = tf.cond(tf.reduce_any(treated), looks_scaled, lambda: tf.constant(False))
+        scaled_again = tf.cond(
+            tf.reduce_any(claimed_unscaled), looks_scaled, lambda: tf.constant(False)
+        )
         checks = [_check(tf.logical_not(scaled_again), SCALED_AGAIN)]
         count_ok = tf.logical_or(
-            tf.logical_not(blind), tf.equal(self.blind_count.read_value(), marks.shape[0])
+            tf.logical_not(all_recorded),
+            tf.equal(self.count_before_build.read_value(), marks.shape[0]),
         )
-        checks.append(_check(count_ok, BLIND_COUNT))
-        if has_float8:  # a blind record that did not know the variables divided them
-            checks.append(_check(tf.not_equal(blind_value, _BLIND_ALL), BLIND_FLOAT8))
+        checks.append(_check(count_ok, COUNT_BEFORE_BUILD))
+        if has_float8:  # a record before build that did not know the variables divided them
+            checks.append(_check(tf.not_equal(before_build, _ALL_DIVIDED), FLOAT8_BEFORE_BUILD))
         with tf.control_dependencies(checks):
             zeros = tf.zeros([len(indices)], tf.int32)
             left = tf.tensor_scatter_nd_update(marks, [[i] for i in indices], zeros)
             self.marks.assign(left)
-            self.blind.assign(0)
-            self.marked.assign(tf.cast(tf.reduce_any(left > 0), tf.int32))
+            self.before_build.assign(0)
+            self.has_record.assign(tf.cast(tf.reduce_any(left > 0), tf.int32))
             use_scale = tf.logical_not(tf.logical_and(unscaled, tf.logical_not(scaled_again)))
             return tf.where(use_scale, scale, 1.0)
