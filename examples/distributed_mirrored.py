@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"overflow steps {result['overflow_steps']} (skipped on every replica), applied steps "
         f"{result['applied_steps']}, weights identical across replicas: {identical}"
     )
-    print("(an epoch's mean loss includes the skipped batch's non-finite loss, as Keras counts it)")
+    print(f"final epoch's loss {result['final_loss']:.4f} (the mean over its applied steps)")
     return result
 
 

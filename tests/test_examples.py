@@ -1,6 +1,8 @@
 """Each example runs as a user would run it (a subprocess), with small sizes."""
 
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +58,9 @@ def test_distributed_mirrored_example():
     assert out.startswith("replicas: 2")
     assert "overflow steps 2 (skipped on every replica)" in out
     assert "weights identical across replicas: True" in out
+    # Every epoch has a skipped batch; its loss is the mean over the applied steps.
+    losses = re.findall(r"loss: ([^ ]+)", out) + re.findall(r"final epoch's loss ([^ ]+)", out)
+    assert len(losses) == 3 and all(math.isfinite(float(v)) for v in losses)
 
 
 def test_multi_worker_example(tmp_path):

@@ -153,3 +153,43 @@ def test_guard_state_bad_input():
     with pytest.raises(TypeError, match=r"guard_state needs the tfmixprec.LossScaleOptimizer"):
         with tfmixprec.guard_state(_model(), keras.optimizers.SGD()):
             pass
+
+
+def _no_dropout_model(cls):
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((3,))
+        hidden = keras.layers.Dense(8, name="hidden")(inputs)
+        hidden = keras.layers.BatchNormalization(name="bn")(hidden)
+        outputs = keras.layers.Dense(1, dtype="float32", name="out")(hidden)
+        return cls(inputs, outputs)
+
+
+@pytest.mark.parametrize("kind", ["MixedPrecisionModel", "keras.Model"])
+def test_an_epoch_with_a_skipped_step_logs_the_mean_over_the_applied_steps(kind):
+    """The loss and metrics of `compile` are state the step writes too: put back on a skip,
+    an epoch's loss is not nan, and it is the mean over the applied steps, bit for bit what
+    the same fit without the bad batch logs (a fixed scale: the skip changes nothing)."""
+    x, y = _data(bad=(1,))
+    keep = np.r_[0:BATCH, 2 * BATCH : 4 * BATCH]  # every batch but the bad one
+    histories, overflows = [], []
+    for x_fit, y_fit in [(x, y), (x[keep], y[keep])]:
+        cls = tfmixprec.MixedPrecisionModel if kind == "MixedPrecisionModel" else keras.Model
+        model = _no_dropout_model(cls)
+        opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
+        model.compile(optimizer=opt, loss="mse", metrics=["mae"])
+        histories.append(
+            model.fit(
+                x_fit,
+                y_fit,
+                batch_size=BATCH,
+                shuffle=False,
+                verbose=0,
+                callbacks=[tfmixprec.OverflowGuard()],
+            ).history
+        )
+        overflows.append(model.optimizer.read_state()["overflow_steps"])
+    skipped, clean = histories
+    assert overflows == [1, 0]
+    assert np.isfinite(skipped["loss"][0])
+    assert (skipped["loss"], skipped["mae"]) == (clean["loss"], clean["mae"])

@@ -2,7 +2,8 @@
 
 The optimizer leaves weights, slots and `iterations` alone on an overflow step, but the forward
 pass has already run by then, and it writes state of its own: `BatchNormalization`'s moving
-mean and variance (with NaN, on an overflow of float16 activations), a dropout layer's seed.
+mean and variance (with NaN, on an overflow of float16 activations), a dropout layer's seed,
+the running totals of the loss and metrics of `compile` (an epoch's mean loss `nan`).
 `guard_state(model, optimizer)` reads that state before the step and, after it, assigns it
 back where the optimizer skipped the step, in the graph (no host read): on a skipped step every
 variable of the model is as it was, bit for bit; on an applied step the assignments write the
@@ -30,10 +31,22 @@ def _restore(copy: tf.Variable, skipped: tf.Tensor, saved: tf.Tensor) -> Any:
     return copy.assign(tf.where(skipped, saved, copy.read_value()))
 
 
+def guarded_variables(model: keras.Model) -> list[Any]:
+    """What a skipped step puts back: the model's non-trainable variables (batch-norm
+    statistics, seeds) and its metrics' (the loss and metrics of `compile`), so that an
+    epoch's mean loss is the mean over the applied steps, not `nan` after one skipped batch."""
+    found, seen = [], set()
+    for variable in [*model.non_trainable_variables, *model.metrics_variables]:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            found.append(variable)
+    return found
+
+
 @contextlib.contextmanager
 def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
-    """Puts the model's non-trainable variables back as they were before the block if the
-    optimizer skipped the step the block ran.
+    """Puts the model's non-trainable variables and its metrics' back as they were before the
+    block if the optimizer skipped the step the block ran (`guarded_variables`).
 
     Use it inside the step, around the forward pass and `optimizer.apply` (eager or in a
     `tf.function`, under a strategy too: each replica puts back its own copies). With gradient
@@ -41,7 +54,8 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
     state stays (a window is not one step of the forward pass).
 
     Args:
-        model: `keras.Model`. Its `non_trainable_variables` are guarded.
+        model: `keras.Model`. Its `non_trainable_variables` and `metrics_variables` are
+            guarded.
         optimizer: `tfmixprec.LossScaleOptimizer`. It says whether the step was skipped.
 
     Raises:
@@ -61,7 +75,7 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
             f"whether the step was skipped). Received: optimizer of type "
             f"{type(optimizer).__name__}"
         )
-    variables = list(model.non_trainable_variables)
+    variables = guarded_variables(model)
     saved = [read_now(variable) for variable in variables]
     yield
     if not variables:
