@@ -68,7 +68,8 @@ def test_mixed_float16_adopts_keras_optimizer_and_its_step_uses_it(tmp_path, cap
     assert capsys.readouterr().out.splitlines() == [  # once, not once per callback
         "tfmixprec: LossScaleMonitor replaced the keras.optimizers.LossScaleOptimizer of model "
         "'net' with a tfmixprec.LossScaleOptimizer (the same SGD, loss scale 32768, "
-        "dynamic_growth_steps=2000) to read and guard the loss scale."
+        "dynamic_growth_steps=2000) to read and guard the loss scale; a file this model "
+        "saves from now on needs `import tfmixprec` to load."
     ]
     # The traced step is tfmixprec's: the Inf batch is counted and skipped bit-exactly.
     state = model.optimizer.read_state()

@@ -122,7 +122,8 @@ def _adopt(model: Any, keras_optimizer: Any, who: str) -> LossScaleOptimizer:
         f"{model.name!r} with a tfmixprec.LossScaleOptimizer (the same "
         f"{type(new.inner_optimizer).__name__}, loss scale "
         f"{format_scale(float(new.loss_scale.numpy()))}, dynamic_growth_steps="
-        f"{new.growth_interval}{carried}) to read and guard the loss scale."
+        f"{new.growth_interval}{carried}) to read and guard the loss scale; a file this model "
+        "saves from now on needs `import tfmixprec` to load."
     )
     _say_once(model, f"adopted {id(keras_optimizer)}", line)
     return new
