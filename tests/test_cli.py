@@ -195,6 +195,13 @@ def test_bench_table():
     assert len(rows) == 2
     assert rows[0].split()[1] == "float32" and rows[0].endswith("1.00x")
     assert rows[1].split()[1] == "mixed_bfloat16"
+    # Progress on stderr while it runs: each warm-up, then the time left after each run.
+    progress = [line for line in err.splitlines() if line.startswith("bench: ")]
+    assert progress[0].startswith("bench: warmed up 1/2: float32, tfmixprec ")
+    assert progress[1].startswith("bench: warmed up 2/2: mixed_bfloat16, tfmixprec ")
+    assert re.fullmatch(r"bench: timing 1 runs of each: about \d+ s", progress[2])
+    assert re.fullmatch(r"bench: run 1/1 of each done, about 0 s left", progress[3])
+    assert len(progress) == 4
 
 
 # ------------------------------------------------------------------ a quiet, fast command

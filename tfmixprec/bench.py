@@ -11,7 +11,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -212,6 +212,7 @@ def run_bench(
     repeats: int = 3,
     float16_steps: int | None = None,
     float16_batch: int | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[BenchResult]:
     """Times `fit` steps for each (policy, stack), alternating runs; returns medians.
 
@@ -231,6 +232,8 @@ def run_bench(
         float16_batch: Int. Batch size for those variants (their samples/s is per sample, but
             a smaller batch is less efficient, so it flatters float16 no more than float32);
             defaults to `batch`.
+        progress: Callable taking one line, or None. Told each variant's warm-up step time,
+            then an estimate of the time left after each timed run (the command prints it).
 
     Returns:
         List of `BenchResult`, in the order of `policies` x `stacks`.
@@ -250,15 +253,39 @@ def run_bench(
         for policy in policies
         for stack in stacks
     ]
-    for variant in variants:
-        time_fit(variant["net"], dataset_for(variant["batch"]), max(2, variant["steps"] // 4))
+    say = progress or (lambda line: None)
+    warm = []
+    for i, variant in enumerate(variants):
+        warm_steps = max(2, variant["steps"] // 4)
+        timer = time_fit(variant["net"], dataset_for(variant["batch"]), warm_steps)
+        warm.append(timer.per_step)
+        say(
+            f"warmed up {i + 1}/{len(variants)}: {_label(variant)} "
+            f"{1000 * timer.per_step:.1f} ms/step"
+        )
+    left = sum(repeats * v["steps"] * warm[i] for i, v in enumerate(variants))
+    say(f"timing {repeats} runs of each: about {_duration(left)}")
     runs: dict[int, list[float]] = {i: [] for i in range(len(variants))}
     for repeat in range(repeats):
         order = range(len(variants)) if repeat % 2 == 0 else reversed(range(len(variants)))
         for i in order:
             v = variants[i]
             runs[i].append(time_fit(v["net"], dataset_for(v["batch"]), v["steps"]).per_step)
+            left -= v["steps"] * warm[i]
+        say(f"run {repeat + 1}/{repeats} of each done, about {_duration(max(left, 0.0))} left")
     return [_result(model, v, runs[i]) for i, v in enumerate(variants)]
+
+
+def _label(variant: dict[str, Any]) -> str:
+    policy = variant["policy"]
+    if variant["resolved"] != policy:
+        policy = f"{policy} ({variant['resolved']})"
+    return f"{policy}, {variant['stack']}"
+
+
+def _duration(seconds: float) -> str:
+    """`12 s` or `3.5 min`: an estimate for people."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def _result(model: str, variant: dict[str, Any], runs: list[float]) -> BenchResult:

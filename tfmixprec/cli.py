@@ -130,6 +130,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         float16_steps=max(2, args.steps // 10),
         float16_batch=min(args.batch_size, 16),
+        progress=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True),
     )
     print(bench.format_table(results))
     return EXIT_OK
