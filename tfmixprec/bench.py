@@ -254,6 +254,18 @@ def run_bench(
         for stack in stacks
     ]
     say = progress or (lambda line: None)
+    runs = _timed_runs(variants, dataset_for, repeats, say)
+    return [_result(model, v, runs[i]) for i, v in enumerate(variants)]
+
+
+def _timed_runs(
+    variants: list[dict[str, Any]],
+    dataset_for: Callable[[int], tf.data.Dataset],
+    repeats: int,
+    say: Callable[[str], None],
+) -> dict[int, list[float]]:
+    """Each variant warmed up, then timed `repeats` times in alternating order: seconds per
+    step, per variant; `say` hears each warm-up and the time left after each round."""
     warm = []
     for i, variant in enumerate(variants):
         warm_steps = max(2, variant["steps"] // 4)
@@ -273,7 +285,7 @@ def run_bench(
             runs[i].append(time_fit(v["net"], dataset_for(v["batch"]), v["steps"]).per_step)
             left -= v["steps"] * warm[i]
         say(f"run {repeat + 1}/{repeats} of each done, about {_duration(max(left, 0.0))} left")
-    return [_result(model, v, runs[i]) for i, v in enumerate(variants)]
+    return runs
 
 
 def _label(variant: dict[str, Any]) -> str:

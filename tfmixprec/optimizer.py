@@ -174,43 +174,48 @@ def _config(
     )
 
 
+def _knob(name: str) -> property:
+    return property(lambda self: getattr(self.loss_scale_config, name), doc=f"`{name}`.")
+
+
+def _state(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self._loss_scale, name), doc=doc)
+
+
+# The loss-scale state variables under their public names (one name each; `loss_scale` is
+# `LossScale.scale_variable`), and the names Keras's and TF 2's optimizers give two of them
+# (`dynamic_scale`, `step_counter`: Keras's own code and checkpoints use them on this
+# subclass; `dynamic_counter`: TF 2 code reads it).
+_STATE_DOCS = {
+    "scale_variable": ("loss_scale", "The scale."),
+    "good_steps": ("good_steps", "Clean steps since the scale last grew or backed off."),
+    "hysteresis_tracker": ("hysteresis_tracker", "Overflows left before the scale backs off."),
+    "overflow_steps": ("overflow_steps", "Skipped steps, in all."),
+    "consecutive_overflows": ("consecutive_overflows", "Skipped steps in a row, now."),
+    "last_overflow_iteration": ("last_overflow_iteration", "Applied steps at the last skip."),
+    "last_overflow_scale": ("last_overflow_scale", "The scale the last overflow used."),
+    "min_scale_overflows": (
+        "min_scale_overflows",
+        "Overflow steps at `min_scale` since the scale last grew.",
+    ),
+    "longest_overflow_run": (
+        "longest_overflow_run",
+        "The longest run of consecutive overflow steps since `reset_longest_overflow_run()`.",
+    ),
+}
+_OTHER_NAMES = {"dynamic_scale": "loss_scale", "step_counter": "good_steps"}
+_OTHER_NAMES["dynamic_counter"] = "good_steps"
+
+
 class _LossScaleReadout:
     """What readers of a `LossScaleOptimizer` see: the knobs, the state variables, the
-    snapshot and host reads, the `min_scale` report and the config. Reads only."""
+    snapshot and host reads, the overflow attribution and the `min_scale` report. It reads
+    only; the writes outside the step (resets, saving, loading) are `_LossScaleUpkeep`'s."""
 
     loss_scale_config: LossScaleConfig
     _loss_scale: LossScale
-
-    # ------------------------------------------------------------ the knobs
-    growth_interval = property(lambda self: self.loss_scale_config.growth_interval)
-    growth_factor = property(lambda self: self.loss_scale_config.growth_factor)
-    backoff_factor = property(lambda self: self.loss_scale_config.backoff_factor)
-    min_scale = property(lambda self: self.loss_scale_config.min_scale)
-    max_scale = property(lambda self: self.loss_scale_config.max_scale)
-    hysteresis = property(lambda self: self.loss_scale_config.hysteresis)
-    dynamic = property(lambda self: self.loss_scale_config.dynamic)
-
-    # ------------------------------------------------------------ the state (variables)
-    loss_scale = property(lambda self: self._loss_scale.scale_variable, doc="The scale.")
-    dynamic_scale = loss_scale  # Keras's name
-    good_steps = property(lambda self: self._loss_scale.good_steps, doc="Clean steps in a row.")
-    step_counter = good_steps  # Keras's name
-    dynamic_counter = good_steps  # TF 2's name
-    hysteresis_tracker = property(lambda self: self._loss_scale.hysteresis_tracker)
-    overflow_steps = property(lambda self: self._loss_scale.overflow_steps, doc="Skipped steps.")
-    consecutive_overflows = property(lambda self: self._loss_scale.consecutive_overflows)
-    last_overflow_iteration = property(lambda self: self._loss_scale.last_overflow_iteration)
-    last_overflow_scale = property(
-        lambda self: self._loss_scale.last_overflow_scale, doc="The scale the last overflow used."
-    )
-    min_scale_overflows = property(
-        lambda self: self._loss_scale.min_scale_overflows,
-        doc="Overflow steps at `min_scale` since the scale last grew.",
-    )
-    longest_overflow_run = property(
-        lambda self: self._loss_scale.longest_overflow_run,
-        doc="The longest run of consecutive overflow steps since `reset_longest_overflow_run()`.",
-    )
+    # Properties set below the class: the knobs (`min_scale`, `dynamic`, ...: the config's),
+    # the state variables (`_STATE_DOCS`) and their other names (`_OTHER_NAMES`).
 
     def last_overflow_step(self) -> tf.Tensor:
         """The last overflow step (0-based, skipped steps counted; -1: none), read in the
@@ -275,11 +280,6 @@ class _LossScaleReadout:
         last = int(self.last_overflow_step().numpy()) if overflows else -1
         return build_report(*self.overflow_sources(), overflows, last, model)
 
-    def reset_longest_overflow_run(self) -> None:
-        """Starts `longest_overflow_run` from 0 again (outside the step; `OverflowGuard` calls
-        it at `on_train_begin`, then reads the longest run at each check)."""
-        reset_longest_overflow_run(self._loss_scale)
-
     # ------------------------------------------------------------ reporting
     def check_min_scale(self) -> None:
         """Warns or raises (per `on_min_scale`) if a step overflowed at `min_scale`.
@@ -300,6 +300,37 @@ class _LossScaleReadout:
         if self.on_min_scale == "raise":
             raise FloatingPointError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def get_config(self) -> dict[str, Any]:
+        """Every knob (Keras's key `dynamic_growth_steps` for the interval) and the inner
+        optimizer, serialized."""
+        inner = keras.saving.serialize_keras_object(self.inner_optimizer)
+        config = {"name": self.name, "inner_optimizer": inner}
+        return {**config, **{key: getattr(self, key) for key in CONFIG_NAMES}}
+
+
+
+
+for _name in ("growth_interval", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
+    setattr(_LossScaleReadout, _name, _knob(_name))
+for _name in ("hysteresis", "dynamic"):
+    setattr(_LossScaleReadout, _name, _knob(_name))
+for _attr, (_name, _doc) in _STATE_DOCS.items():
+    setattr(_LossScaleReadout, _name, _state(_attr, _doc))
+for _name, _same in _OTHER_NAMES.items():
+    setattr(_LossScaleReadout, _name, getattr(_LossScaleReadout, _same))
+del _name, _attr, _doc, _same
+
+
+class _LossScaleUpkeep:
+    """The writes to a `LossScaleOptimizer`'s state outside the step: resetting the longest
+    overflow run, the end of a `fit` (a partly summed accumulation window), saving and loading
+    the state by name."""
+
+    def reset_longest_overflow_run(self) -> None:
+        """Starts `longest_overflow_run` from 0 again (outside the step; `OverflowGuard` calls
+        it at `on_train_begin`, then reads the longest run at each check)."""
+        reset_longest_overflow_run(self._loss_scale)
 
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
         """Called by Keras at the end of `fit`; also reports a `min_scale` overflow and a
@@ -351,16 +382,8 @@ class _LossScaleReadout:
         everything = list(self.variables)  # its own, then the inner optimizer's
         return everything[: len(everything) - len(inner)], inner
 
-    def get_config(self) -> dict[str, Any]:
-        """Every knob (Keras's key `dynamic_growth_steps` for the interval) and the inner
-        optimizer, serialized."""
-        inner = keras.saving.serialize_keras_object(self.inner_optimizer)
-        config = {"name": self.name, "inner_optimizer": inner}
-        return {**config, **{key: getattr(self, key) for key in CONFIG_NAMES}}
-
-
 @keras.saving.register_keras_serializable(package="tfmixprec")
-class LossScaleOptimizer(_LossScaleReadout, KerasLossScaleHooks):
+class LossScaleOptimizer(_LossScaleReadout, _LossScaleUpkeep, KerasLossScaleHooks):
     """Loss-scaling optimizer with growth, backoff, hysteresis, bounds and counters.
 
     A subclass of `keras.optimizers.LossScaleOptimizer`, so Keras's
