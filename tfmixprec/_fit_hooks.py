@@ -10,6 +10,7 @@ from typing import Any
 import keras
 
 from tfmixprec._fit_reader import FitReader
+from tfmixprec._text import docs_page
 from tfmixprec.diagnosis import (
     OverflowDiagnosis,
     explain_overflow,
@@ -62,7 +63,8 @@ class Diagnoser:
             except (TypeError, ValueError) as err:
                 warnings.warn(
                     f"{self.who} could not replay overflow step {kept.step}, so diagnose= is "
-                    f"off for the rest of this fit (training goes on): {err}",
+                    f"off for the rest of this fit (training goes on): {err} "
+                    f"{docs_page('guides/why-overflow')}",
                     RuntimeWarning,
                     stacklevel=2,
                 )

@@ -428,8 +428,8 @@ def _cpu_float16_kernels(model: keras.Model, context: _AuditContext) -> list[Fin
     shown = ", ".join(repr(name) for name in slow[:3]) + (", ..." if len(slow) > 3 else "")
     message = (
         f"on this machine (no GPU), {len(slow)} float16 layer(s) ({shown}) run "
-        "TensorFlow's slow float16 CPU kernels: the convolution filter gradient "
-        "(up to ~600x float32) and, without AVX512_FP16, float16 matmuls (1.1-3x)."
+        "TensorFlow's slow float16 CPU kernels (convolution gradients, and float16 matmuls "
+        "without AVX512_FP16; benchmarks/RESULTS.md, 2b)."
     )
     fix = (
         "Train through tfmixprec (MixedPrecisionModel.compile or make_train_step do it), "

@@ -226,9 +226,9 @@ def run_bench(
         steps: Int. Steps per timed run.
         repeats: Int. Timed runs per variant (the median is reported).
         float16_steps: Int. Steps per run for plain-Keras float16 variants on a machine
-            without a GPU (TensorFlow's float16 conv filter-gradient CPU kernel is up to
-            ~600x slower than float32, its fused MatMul up to ~200x on some CPUs; tfmixprec's stack
-            routes around them and runs at full size); defaults to `steps`.
+            without a GPU (some of TensorFlow's float16 CPU kernels are many times slower
+            than float32, benchmarks/RESULTS.md 2b; tfmixprec's stack routes around them and
+            runs at full size); defaults to `steps`.
         float16_batch: Int. Batch size for those variants (their samples/s is per sample, but
             a smaller batch is less efficient, so it flatters float16 no more than float32);
             defaults to `batch`.

@@ -46,7 +46,7 @@ from tfmixprec._layers import (
     watch_leaf_calls,
 )
 from tfmixprec._observe import policies_swapped
-from tfmixprec._text import markdown_table
+from tfmixprec._text import docs_page, markdown_table
 from tfmixprec._validate import check_float32_scale
 from tfmixprec.gradient_range import gradient_range_stats
 from tfmixprec.loss_scale import format_scale, multiply
@@ -651,7 +651,8 @@ def keep_for_callbacks(model: Any, limit: int, who: str, fit: Any = None) -> Ove
     if reason is not None:
         if current_keeper(model) is not None:  # an earlier fit's: it keeps no more
             set_keeper(model, None)
-        warnings.warn(f"{who}: diagnose= is off for this fit: {reason}", RuntimeWarning, 3)
+        link = docs_page("guides/why-overflow")
+        warnings.warn(f"{who}: diagnose= is off for this fit: {reason} {link}", RuntimeWarning, 3)
         return None
     keeper = OverflowBatches(limit, "callbacks")
     keeper.fit = fit

@@ -386,7 +386,7 @@ class LossScale(tf.Module):
         self.last_overflow_iteration = add_variable("last_overflow_iteration", "int", -1)
         self.min_scale_overflow_iteration = add_variable("min_scale_overflow_iteration", "int", -1)
         self.last_overflow_scale = add_variable("last_overflow_scale", "float32", 0.0)
-        # For `OverflowGuard` (added in 0.3.0): overflow steps taken at `min_scale` since
+        # For `OverflowGuard`: overflow steps taken at `min_scale` since
         # the scale last grew, and the longest run of consecutive overflow steps since the
         # last `reset_longest_overflow_run()` (exact with several steps per execution).
         self.min_scale_overflows = add_variable("min_scale_overflows", "int", 0)

@@ -44,42 +44,85 @@ TAGS = {
     "diagnosis": f"{PREFIX}/diagnosis",  # text
 }
 LAYOUT_TITLE = "Mixed precision"
+LAYERS_TITLE = f"{LAYOUT_TITLE}: overflow steps per layer (total)"  # one chart a layer
 
 
-def dashboard_layout() -> layout_pb2.Layout:
+def _exact(title: str, *tags: str) -> layout_pb2.Chart:
+    """A chart of `tags` (exact names) drawn as written: a margin chart whose margins are the
+    value itself. TensorBoard's Custom Scalars tab smooths multiline charts (0.6 by default,
+    which turns each step of the loss scale or of a count into a curve) but never a margin
+    chart: its smoothing setting is not passed to them."""
+    series = [layout_pb2.MarginChartContent.Series(value=t, lower=t, upper=t) for t in tags]
+    return layout_pb2.Chart(title=title, margin=layout_pb2.MarginChartContent(series=series))
+
+
+def _shown_in_order(charts: list[layout_pb2.Chart]) -> list[layout_pb2.Chart]:
+    """`charts` (all margin charts) as the layout must list them for TensorBoard to show them
+    in this order: its Custom Scalars tab stacks a category's margin charts last first."""
+    return charts[::-1]
+
+
+def dashboard_layout(
+    *,
+    per_batch: bool = True,
+    loss_scale: bool = True,
+    gradient_range: bool = True,
+    layers: Sequence[str] = (),
+) -> layout_pb2.Layout:
     """The custom-scalars layout: loss next to loss scale, overflow events, gradient range.
+
+    Every chart shows its values as written, never smoothed (a margin chart, which TensorBoard
+    does not smooth), and has one line a run: its title says what it is. Charts of tags a run
+    does not write are left out. `tfmixprec.TensorBoard` writes it at train begin, with what it
+    will write, and again when a layer overflows for the first time.
+
+    Shown in this order (the layout lists each category's charts last first, the order
+    TensorBoard stacks margin charts in): category "Mixed precision": "Loss (per batch)"
+    (`per_batch`; else "Loss (per epoch)" first), "Loss scale (log2)", "Overflow events
+    (skipped steps)" (`loss_scale`), "Loss (per epoch)", "Overflow steps (total)"
+    (`loss_scale`), "Gradients below float16's range (fraction)", "Gradients in float16's
+    subnormal range (fraction)" (`gradient_range`); with `layers`, category "Mixed precision:
+    overflow steps per layer (total)": one chart a layer, titled with its name.
+
+    Args:
+        per_batch: Bool. Whether the run writes per-batch summaries (`update_freq` not
+            `"epoch"`): the per-batch loss chart.
+        loss_scale: Bool. Whether the model has loss scaling: the loss-scale and overflow
+            charts.
+        gradient_range: Bool. Whether a `GradientRangeMonitor` is driven: its two charts.
+        layers: Sequence of layer names. A chart of `mixed_precision/layer_overflow_steps/<layer>`
+            each, in this order.
 
     Returns:
         A `tensorboard.plugins.custom_scalar.layout_pb2.Layout`.
     """
-
-    def chart(title: str, *tags: str) -> layout_pb2.Chart:
-        return layout_pb2.Chart(
-            title=title, multiline=layout_pb2.MultilineChartContent(tag=list(tags))
+    loss = {
+        "batch": _exact("Loss (per batch)", "batch_loss"),
+        "epoch": _exact("Loss (per epoch)", "epoch_loss"),
+    }
+    charts = [loss["batch" if per_batch else "epoch"]]
+    if loss_scale:
+        charts.append(_exact("Loss scale (log2)", TAGS["log2_loss_scale"]))
+        charts.append(_exact("Overflow events (skipped steps)", TAGS["overflow"]))
+    if per_batch:
+        charts.append(loss["epoch"])
+    if loss_scale:
+        charts.append(_exact("Overflow steps (total)", TAGS["overflow_steps"]))
+    if gradient_range:
+        charts.append(
+            _exact("Gradients below float16's range (fraction)", TAGS["grad_underflow_fraction"])
         )
-
-    return layout_pb2.Layout(
-        category=[
-            layout_pb2.Category(
-                title=LAYOUT_TITLE,
-                chart=[
-                    chart("Loss (per batch)", r"^batch_loss$"),
-                    chart("Loss scale (log2)", rf"^{TAGS['log2_loss_scale']}$"),
-                    chart("Overflow events (skipped steps)", rf"^{TAGS['overflow']}$"),
-                    chart("Loss (per epoch)", r"^epoch_loss$"),
-                    chart("Overflow steps (total)", rf"^{TAGS['overflow_steps']}$"),
-                    chart(
-                        "Overflow steps per layer (total)",
-                        rf"^{TAGS['layer_overflow_steps']}/",
-                    ),
-                    chart(
-                        "Gradients below float16's range",
-                        rf"^{PREFIX}/grad_(underflow|subnormal)_fraction$",
-                    ),
-                ],
+        charts.append(
+            _exact(
+                "Gradients in float16's subnormal range (fraction)",
+                TAGS["grad_subnormal_fraction"],
             )
-        ]
-    )
+        )
+    categories = [layout_pb2.Category(title=LAYOUT_TITLE, chart=_shown_in_order(charts))]
+    if layers:
+        per_layer = [_exact(layer, f"{TAGS['layer_overflow_steps']}/{layer}") for layer in layers]
+        categories.append(layout_pb2.Category(title=LAYERS_TITLE, chart=_shown_in_order(per_layer)))
+    return layout_pb2.Layout(category=categories)
 
 
 def _profile_batch_value(profile_batch: int | str | Sequence[int]) -> int | list[int]:
@@ -227,6 +270,7 @@ class TensorBoard(_ChiefWrites):
         self._diagnosis_writer: tuple[str, Any] | None = None  # (its directory, the writer)
         self.diagnose = diagnose
         self._diagnoser = diagnoser
+        self._charted_layers: list[str] = []  # the layers with a chart in the layout
 
     def get_config(self) -> dict[str, Any]:
         """Every argument of `keras.callbacks.TensorBoard`, as this callback holds it.
@@ -266,9 +310,7 @@ class TensorBoard(_ChiefWrites):
         self._diagnoser.start(self, opt)
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
-        with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
-            summary = custom_scalar_summary.pb(dashboard_layout())
-            tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=0)
+        self._write_layout(step=0)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._diagnoser.stop(self.model)
@@ -328,7 +370,26 @@ class TensorBoard(_ChiefWrites):
                     tag = f"{TAGS['layer_overflow_steps']}/{row.layer}"
                     tf.summary.scalar(tag, float(row.overflow_steps), step=step)
                 tf.summary.text(TAGS["overflow_report"], report.to_markdown(), step=step)
+                layers = [row.layer for row in report.layers]
+                if not set(layers) <= set(self._charted_layers):  # a chart for each new one
+                    self._charted_layers = layers + [
+                        layer for layer in self._charted_layers if layer not in layers
+                    ]
+                    self._write_layout(step)
         self._write_gradients(step)
+
+    def _write_layout(self, step: int) -> None:
+        """Writes the dashboard layout at `step` (TensorBoard reads a run's last one): the
+        charts of what this callback writes, with one for each layer charted so far."""
+        layout = dashboard_layout(
+            per_batch=self.update_freq != "epoch",
+            loss_scale=self._reader.optimizer is not None,
+            gradient_range=self.gradient_monitor is not None,
+            layers=self._charted_layers,
+        )
+        with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
+            summary = custom_scalar_summary.pb(layout)
+            tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=step)
 
     def write_diagnosis(self, diagnosis: OverflowDiagnosis, step: int | None = None) -> None:
         """Writes an `explain_overflow` result as a text summary (its markdown table) under

@@ -47,8 +47,8 @@ class _Size:
 
 _SIZE = {
     "tiny": _Size(hidden=32, layers=1, heads=4, vocabulary=64, sequence=8, image=32, batch=4),
-    # The GPT-2 of the bfloat16 issue (4 layers, hidden 256, 4 heads, vocabulary 8192,
-    # sequence 128, batch 16); the others at the same width.
+    # A GPT-2 of 4 layers, hidden 256, 4 heads, vocabulary 8192, sequence 128, batch 16 (the
+    # size benchmarks/zoo.py times); the others at the same width.
     "bench": _Size(
         hidden=256, layers=4, heads=4, vocabulary=8192, sequence=128, image=64, batch=16
     ),
