@@ -51,6 +51,27 @@ def _imports(tree):
     return found
 
 
+def test_no_module_imports_another_modules_underscore_names():
+    """A name two modules share is public inside its (private) module: `from tfmixprec.x
+    import _y` and `x._y` of another tfmixprec module are not used (dunders aside)."""
+    modules = _modules()
+    found = []
+    for name, tree in modules.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfmixprec"):
+                found += [f"{name}: {a.name}" for a in node.names if _private(a.name)]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                # _keras_compat reads Keras's private attributes, of objects whose variable
+                # names (`optimizer`) can match a module's.
+                if name != "_keras_compat" and node.value.id in modules and _private(node.attr):
+                    found.append(f"{name}: {node.value.id}.{node.attr}")
+    assert found == []
+
+
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
 def test_no_import_circle():
     modules = _modules()
     graph = {name: _imports(tree) & set(modules) - {name} for name, tree in modules.items()}
