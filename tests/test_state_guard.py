@@ -193,3 +193,23 @@ def test_an_epoch_with_a_skipped_step_logs_the_mean_over_the_applied_steps(kind)
     assert overflows == [1, 0]
     assert np.isfinite(skipped["loss"][0])
     assert (skipped["loss"], skipped["mae"]) == (clean["loss"], clean["mae"])
+
+
+@pytest.mark.parametrize("second", ["sgd", "keras LossScaleOptimizer"])
+def test_an_adopted_model_compiled_again_with_another_optimizer_still_fits(second):
+    """The guard adoption put around the step reads the optimizer while tracing: compiled
+    again with one that skips nothing, the step runs as Keras's own."""
+    model = _model()
+    keras_optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), 1.0)
+    model.compile(optimizer=keras_optimizer, loss="mse")
+    x, y = _data(bad=())
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[tfmixprec.LossScaleMonitor()])
+    assert vars(model)["train_step"].tfmixprec_guarded
+    if second == "sgd":
+        optimizer = "sgd"
+    else:
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), 1.0)
+    model.compile(optimizer=optimizer, loss="mse")
+    history = model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    assert not isinstance(model.optimizer, tfmixprec.LossScaleOptimizer)

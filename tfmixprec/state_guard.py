@@ -99,6 +99,8 @@ def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[An
     in `fit` with a tfmixprec callback (the optimizer is read while tracing)."""
 
     def guarded(data: Any) -> Any:
+        if not callable(getattr(model.optimizer, "skipped", None)):
+            return step(data)  # compiled again with another optimizer: no step is skipped
         with guard_state(model, model.optimizer):
             return step(data)
 
