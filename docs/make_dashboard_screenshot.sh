@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates docs/dashboard.png: runs examples/tensorboard_dashboard.py, serves its logs with a
 # real TensorBoard on 127.0.0.1 and screenshots the "Custom Scalars" tab with headless Chromium
-# (Debian: apt-get install chromium). A developer step, not part of CI.
+# (Debian: apt-get install chromium) at TensorBoard's default settings (smoothing 0.6, outliers
+# ignored in chart scaling), as a newcomer first sees it. A developer step, not part of CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 logdir=$(mktemp -d)
@@ -16,6 +17,6 @@ for _ in $(seq 60); do
 done
 chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
   --disable-background-networking --disable-component-update --disable-sync \
-  --user-data-dir="$(mktemp -d)" --hide-scrollbars --window-size=1600,800 \
+  --user-data-dir="$(mktemp -d)" --hide-scrollbars --window-size=1600,1460 \
   --virtual-time-budget=20000 --screenshot=docs/dashboard.png \
-  "http://127.0.0.1:$port/#custom_scalars&_smoothingWeight=0"
+  "http://127.0.0.1:$port/#custom_scalars"

@@ -3,6 +3,7 @@
 import inspect
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -213,22 +214,122 @@ def test_overflows_after_the_last_write_are_written_at_the_end(tmp_path):
     assert _series(acc, "mixed_precision/overflow_steps")[-1] == (8, 2.0)
 
 
-def test_custom_scalars_layout_written(tmp_path):
-    _fit(tmp_path)
-    acc = _events(tmp_path)
-    (event,) = acc.Tensors("custom_scalars__config__")
-    layout = layout_pb2.Layout()
-    layout.ParseFromString(tf.make_ndarray(event.tensor_proto).item())
-    assert layout == tfmixprec.dashboard_layout()
-    (category,) = layout.category
-    assert category.title == "Mixed precision"
-    titles = [chart.title for chart in category.chart]
-    assert titles[:3] == [
-        "Loss (per batch)",
-        "Loss scale (log2)",
-        "Overflow events (skipped steps)",
+def _layouts(acc):
+    """The custom-scalars layouts written, in order (TensorBoard shows the last)."""
+    layouts = []
+    for event in acc.Tensors("custom_scalars__config__"):
+        layouts.append(layout_pb2.Layout())
+        layouts[-1].ParseFromString(tf.make_ndarray(event.tensor_proto).item())
+    return layouts
+
+
+def _shown(layout):
+    """Per category, its title and its chart titles in the order TensorBoard shows them
+    (margin charts: last first)."""
+    return [(cat.title, [chart.title for chart in reversed(cat.chart)]) for cat in layout.category]
+
+
+def _chart_tags(layout):
+    return {
+        tag
+        for category in layout.category
+        for chart in category.chart
+        for series in chart.margin.series
+        for tag in (series.value, series.lower, series.upper)
+    }
+
+
+MAIN_CHARTS = [
+    "Loss (per batch)",
+    "Loss scale (log2)",
+    "Overflow events (skipped steps)",
+    "Loss (per epoch)",
+    "Overflow steps (total)",
+    "Gradients below float16's range (fraction)",
+    "Gradients in float16's subnormal range (fraction)",
+]
+
+
+def test_dashboard_layout_charts():
+    layout = tfmixprec.dashboard_layout()  # everything the callback can write, no layer
+    assert _shown(layout) == [("Mixed precision", MAIN_CHARTS)]
+    for chart in layout.category[0].chart:
+        # Every chart a margin chart (TensorBoard never smooths one) of one exact tag, its
+        # margins the value itself: drawn as written, one line a run.
+        assert chart.WhichOneof("content") == "margin"
+        (series,) = chart.margin.series
+        assert series.value == series.lower == series.upper
+    assert _chart_tags(layout) == {
+        "batch_loss",
+        "epoch_loss",
+        "mixed_precision/log2_loss_scale",
+        "mixed_precision/overflow",
+        "mixed_precision/overflow_steps",
+        "mixed_precision/grad_underflow_fraction",
+        "mixed_precision/grad_subnormal_fraction",
+    }
+    # Only the charts of what a run writes.
+    assert _shown(tfmixprec.dashboard_layout(per_batch=False, gradient_range=False)) == [
+        (
+            "Mixed precision",
+            [
+                "Loss (per epoch)",
+                "Loss scale (log2)",
+                "Overflow events (skipped steps)",
+                "Overflow steps (total)",
+            ],
+        )
     ]
-    assert titles[5] == "Overflow steps per layer (total)"
+    assert _shown(
+        tfmixprec.dashboard_layout(per_batch=False, loss_scale=False, gradient_range=False)
+    ) == [("Mixed precision", ["Loss (per epoch)"])]
+    # A chart a layer, titled with its name, in their own category.
+    layout = tfmixprec.dashboard_layout(layers=["conv_1", "dense"])
+    assert _shown(layout)[1] == (
+        "Mixed precision: overflow steps per layer (total)",
+        ["conv_1", "dense"],
+    )
+    assert [chart.margin.series[0].value for chart in reversed(layout.category[1].chart)] == [
+        "mixed_precision/layer_overflow_steps/conv_1",
+        "mixed_precision/layer_overflow_steps/dense",
+    ]
+
+
+def test_custom_scalars_layout_written(tmp_path):
+    model, _ = _fit(tmp_path)  # update_freq="epoch": both layers overflow in the epoch
+    acc = _events(tmp_path)
+    # At train begin, the charts of what it writes (no per-batch loss, no gradient monitor);
+    # once layers overflow, again with a chart for each (TensorBoard shows a run's last).
+    first, *_, last = _layouts(acc)
+    assert first == tfmixprec.dashboard_layout(per_batch=False, gradient_range=False)
+    layers = [row.layer for row in tfmixprec.overflow_report(model).layers]
+    assert len(layers) == 2
+    assert last == tfmixprec.dashboard_layout(per_batch=False, gradient_range=False, layers=layers)
+    assert _shown(last) == [
+        (
+            "Mixed precision",
+            [
+                "Loss (per epoch)",
+                "Loss scale (log2)",
+                "Overflow events (skipped steps)",
+                "Overflow steps (total)",
+            ],
+        ),
+        ("Mixed precision: overflow steps per layer (total)", layers),
+    ]
+    assert _chart_tags(last) <= set(acc.Tags()["tensors"])  # no empty chart
+
+
+def test_layout_without_loss_scaling(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")  # float32, no loss scaling
+    board = tfmixprec.TensorBoard(str(tmp_path), update_freq=1)
+    model.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=4, verbose=0, callbacks=[board])
+    acc = _events(tmp_path)
+    (layout,) = _layouts(acc)
+    assert _shown(layout) == [("Mixed precision", ["Loss (per batch)", "Loss (per epoch)"])]
+    assert _chart_tags(layout) <= set(acc.Tags()["tensors"])
 
 
 @pytest.mark.parametrize("monitor_in_fit", [False, True])
@@ -245,6 +346,9 @@ def test_gradient_monitor_summaries(tmp_path, monitor_in_fit):
     assert series[-1][1] == callback.gradient_monitor.weight_stats.underflow_fraction
     histograms = acc.Tensors("mixed_precision/grad_log2_abs")
     assert [e.step for e in histograms] == [4, 8]
+    layout = _layouts(acc)[-1]  # with the monitor's two charts, each with its data
+    assert _shown(layout)[0] == ("Mixed precision", MAIN_CHARTS)
+    assert _chart_tags(layout) <= set(acc.Tags()["tensors"])
 
 
 def test_bad_arguments():
@@ -404,3 +508,71 @@ def test_live_tensorboard_http_api(tmp_path, tensorboard_server):
     assert [value for _, _, value in scale][-1] == 8192.0
     layout = _get_json(port, "/data/plugin/custom_scalars/layout")
     assert layout["category"][0]["title"] == "Mixed precision"
+
+
+def _frontend_tag_filter(chart):
+    """The `tag` parameter TensorBoard's Custom Scalars tab sends for a chart's data (its
+    multiline and margin chart cards): the regexes, or the exact tags escaped, ORed."""
+    if chart.get("multiline"):
+        regexes = chart["multiline"]["tag"]
+        return regexes[0] if len(regexes) == 1 else "|".join(f"({r})" for r in regexes)
+    tags = [s[key] for s in chart["margin"]["series"] for key in ("value", "lower", "upper")]
+    return "|".join(f"({re.escape(tag)})" for tag in tags)
+
+
+def test_live_dashboard_charts_are_exact_labelled_and_not_empty(tmp_path, tensorboard_server):
+    model, _ = _fit(tmp_path / "run", update_freq=1)  # no gradient monitor
+    port = tensorboard_server(tmp_path)
+    run = "run/train"
+    layout = _get_json(port, "/data/plugin/custom_scalars/layout")
+    layers = [row.layer for row in tfmixprec.overflow_report(model).layers]
+    shown = [
+        (category["title"], [chart["title"] for chart in reversed(category["chart"])])
+        for category in layout["category"]
+    ]
+    assert shown == [
+        (  # no gradient charts: no gradient monitor wrote any
+            "Mixed precision",
+            [
+                "Loss (per batch)",
+                "Loss scale (log2)",
+                "Overflow events (skipped steps)",
+                "Loss (per epoch)",
+                "Overflow steps (total)",
+            ],
+        ),
+        ("Mixed precision: overflow steps per layer (total)", layers),  # a chart a layer
+    ]
+    for category in layout["category"]:
+        for chart in category["chart"]:
+            # A margin chart (never smoothed) of one tag, its margins the value itself.
+            (series,) = chart["margin"]["series"]
+            assert series["value"] == series["lower"] == series["upper"]
+            # What the tab asks for this chart: the run has data for it.
+            data = _get_json(
+                port,
+                "/data/plugin/custom_scalars/scalars",
+                {"run": run, "tag": _frontend_tag_filter(chart)},
+            )
+            assert data["regex_valid"] and data["tag_to_events"][series["value"]], chart["title"]
+            if category["title"].endswith("per layer (total)"):
+                points = data["tag_to_events"][series["value"]]
+                assert [(step, value) for _, step, value in points] == [(3, 1.0), (6, 2.0)]
+                assert series["value"] == f"mixed_precision/layer_overflow_steps/{chart['title']}"
+    scale = _get_json(
+        port,
+        "/data/plugin/custom_scalars/scalars",
+        {"run": run, "tag": "(mixed_precision/log2_loss_scale)"},
+    )["tag_to_events"]["mixed_precision/log2_loss_scale"]
+    assert [value for _, _, value in scale] == [15.0] * 2 + [14.0] * 3 + [13.0] * 3
+    # The premise, in the frontend this server serves: the tab passes its smoothing setting
+    # (0.6 by default) to its multiline chart cards, never to its margin chart cards.
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/index.js", timeout=30) as response:
+        script = response.read().decode()
+    cards = {
+        kind: re.findall(rf"<tf-custom-scalar-{kind}-chart-card\b[^>]*>", script)
+        for kind in ("multi-line", "margin")
+    }
+    assert cards["multi-line"] and cards["margin"]
+    assert all("smoothing-weight=" in card for card in cards["multi-line"])
+    assert not any("smoothing" in card for card in cards["margin"])

@@ -23,7 +23,7 @@ from tfmixprec._keras_compat import (
     tensorboard_step,
     tensorboard_writer,
 )
-from tfmixprec.attribution import overflow_report
+from tfmixprec.attribution import OverflowReport, overflow_report
 from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.gradient_range import GradientRangeMonitor
 from tfmixprec.loss_scale import LOG_KEYS
@@ -47,13 +47,13 @@ LAYOUT_TITLE = "Mixed precision"
 LAYERS_TITLE = f"{LAYOUT_TITLE}: overflow steps per layer (total)"  # one chart a layer
 
 
-def _exact(title: str, *tags: str) -> layout_pb2.Chart:
-    """A chart of `tags` (exact names) drawn as written: a margin chart whose margins are the
+def _exact(title: str, tag: str) -> layout_pb2.Chart:
+    """A chart of `tag` (an exact name) drawn as written: a margin chart whose margins are the
     value itself. TensorBoard's Custom Scalars tab smooths multiline charts (0.6 by default,
     which turns each step of the loss scale or of a count into a curve) but never a margin
     chart: its smoothing setting is not passed to them."""
-    series = [layout_pb2.MarginChartContent.Series(value=t, lower=t, upper=t) for t in tags]
-    return layout_pb2.Chart(title=title, margin=layout_pb2.MarginChartContent(series=series))
+    series = layout_pb2.MarginChartContent.Series(value=tag, lower=tag, upper=tag)
+    return layout_pb2.Chart(title=title, margin=layout_pb2.MarginChartContent(series=[series]))
 
 
 def _shown_in_order(charts: list[layout_pb2.Chart]) -> list[layout_pb2.Chart]:
@@ -71,10 +71,11 @@ def dashboard_layout(
 ) -> layout_pb2.Layout:
     """The custom-scalars layout: loss next to loss scale, overflow events, gradient range.
 
-    Every chart shows its values as written, never smoothed (a margin chart, which TensorBoard
-    does not smooth), and has one line a run: its title says what it is. Charts of tags a run
-    does not write are left out. `tfmixprec.TensorBoard` writes it at train begin, with what it
-    will write, and again when a layer overflows for the first time.
+    Every chart shows one tag as written, never smoothed (a margin chart, which TensorBoard
+    does not smooth), one line a run: its title says what it is. The flags leave out the
+    charts of tags a run does not write: `tfmixprec.TensorBoard` writes the layout at train
+    begin with what it will write, and again with `layers` when a layer overflows for the
+    first time.
 
     Shown in this order (the layout lists each category's charts last first, the order
     TensorBoard stacks margin charts in): category "Mixed precision": "Loss (per batch)"
@@ -153,6 +154,26 @@ def _without_loss_scale(logs: dict | None) -> dict | None:
     if logs is None:
         return None
     return {key: value for key, value in logs.items() if key not in LOG_KEYS}
+
+
+def _write_layout(board: TensorBoard, step: int, report: OverflowReport | None = None) -> None:
+    """Writes `board`'s dashboard layout at `step` (TensorBoard shows a run's last one): the
+    charts of what it writes, and one for each layer that has overflowed. With the `report`
+    of an interval with overflows: only if it names a layer that has no chart yet."""
+    if report is not None:
+        layers = [row.layer for row in report.layers]
+        if set(layers) <= set(board._charted_layers):
+            return
+        board._charted_layers = layers + [n for n in board._charted_layers if n not in layers]
+    layout = dashboard_layout(
+        per_batch=board.update_freq != "epoch",
+        loss_scale=board._reader.optimizer is not None,
+        gradient_range=board.gradient_monitor is not None,
+        layers=board._charted_layers,
+    )
+    with tensorboard_writer(board).as_default(), tf.summary.record_if(True):
+        summary = custom_scalar_summary.pb(layout)
+        tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=step)
 
 
 class _ChiefWrites(keras.callbacks.TensorBoard):
@@ -310,7 +331,7 @@ class TensorBoard(_ChiefWrites):
         self._diagnoser.start(self, opt)
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
-        self._write_layout(step=0)
+        _write_layout(self, step=0)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._diagnoser.stop(self.model)
@@ -370,26 +391,8 @@ class TensorBoard(_ChiefWrites):
                     tag = f"{TAGS['layer_overflow_steps']}/{row.layer}"
                     tf.summary.scalar(tag, float(row.overflow_steps), step=step)
                 tf.summary.text(TAGS["overflow_report"], report.to_markdown(), step=step)
-                layers = [row.layer for row in report.layers]
-                if not set(layers) <= set(self._charted_layers):  # a chart for each new one
-                    self._charted_layers = layers + [
-                        layer for layer in self._charted_layers if layer not in layers
-                    ]
-                    self._write_layout(step)
+                _write_layout(self, step, report)  # if a layer has no chart yet
         self._write_gradients(step)
-
-    def _write_layout(self, step: int) -> None:
-        """Writes the dashboard layout at `step` (TensorBoard reads a run's last one): the
-        charts of what this callback writes, with one for each layer charted so far."""
-        layout = dashboard_layout(
-            per_batch=self.update_freq != "epoch",
-            loss_scale=self._reader.optimizer is not None,
-            gradient_range=self.gradient_monitor is not None,
-            layers=self._charted_layers,
-        )
-        with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
-            summary = custom_scalar_summary.pb(layout)
-            tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=step)
 
     def write_diagnosis(self, diagnosis: OverflowDiagnosis, step: int | None = None) -> None:
         """Writes an `explain_overflow` result as a text summary (its markdown table) under
