@@ -376,3 +376,16 @@ def test_monitor_update_freq_counts_steps_not_executions():
         "overflow at step 9 (0-based, skipped steps counted), loss scale 8192 -> 4096; "
         "gradients not finite in: hidden, out",
     ]
+
+
+def test_a_report_of_one_overflow_names_the_scale_it_used():
+    """The scale grows twice between two reads (4 -> 8 -> 16), then one step overflows at 16
+    and backs off to 8: the line says 16 -> 8, not the 4 of the last read."""
+    model = _model("keras", initial_scale=4.0, growth_interval=2)
+    x, y = _data(bad_batches=(4,), batches=6)
+    monitor = LossScaleMonitor(update_freq=100)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    assert monitor.events == [
+        "overflow at step 4 (0-based, skipped steps counted), loss scale 16 -> 8; "
+        "gradients not finite in: hidden, out"
+    ]

@@ -139,6 +139,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if count > 0:
             last = now["last_overflow_step"]
             layers = overflow_report(self.model).last_overflow_layers
+            # One overflow: the scale it used (the scale may have grown since the last read).
+            used = float(opt.last_overflow_scale.numpy()) if count == 1 else 0.0
+            start = used if used > 0 else before["loss_scale"]  # 0: not recorded
             where = (
                 f"overflow at step {last}"
                 if count == 1
@@ -147,7 +150,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             )
             line = (
                 f"{where} (0-based, skipped steps counted), loss scale "
-                f"{format_scale(before['loss_scale'])} -> {format_scale(now['loss_scale'])}"
+                f"{format_scale(start)} -> {format_scale(now['loss_scale'])}"
                 + (f"; gradients not finite in: {', '.join(layers)}" if layers else "")
             )
             self.events.append(line)
