@@ -213,3 +213,29 @@ def test_an_adopted_model_compiled_again_with_another_optimizer_still_fits(secon
     history = model.fit(x, y, batch_size=BATCH, verbose=0)
     assert np.isfinite(history.history["loss"][0])
     assert not isinstance(model.optimizer, tfmixprec.LossScaleOptimizer)
+
+
+@pytest.mark.parametrize("kind", ["MixedPrecisionModel", "keras.Model"])
+def test_the_logs_of_a_skipped_step_and_of_an_epoch_without_an_applied_step(kind):
+    """The skipped step's own logs already hold the mean over the applied steps (so
+    TerminateOnNaN does not stop at an ordinary skip, even on an epoch's last batch), and an
+    epoch in which every step was skipped logs nan, not the 0 of an empty mean."""
+    cls = tfmixprec.MixedPrecisionModel if kind == "MixedPrecisionModel" else keras.Model
+    model = _no_dropout_model(cls)
+    opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
+    model.compile(optimizer=opt, loss="mse", metrics=["mae"])
+    x, y = _data(bad=(1, 3))  # batch 3 ends the epoch
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(float(logs["loss"]))
+    )
+    callbacks = [tfmixprec.OverflowGuard(), record, keras.callbacks.TerminateOnNaN()]
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks
+    )
+    assert len(history.history["loss"]) == 2 and np.isfinite(seen).all()
+    assert seen[1] == seen[0] and seen[3] == seen[2]  # a skipped step's logs: the mean so far
+    x_all_bad, _ = _data(bad=(0, 1, 2, 3))
+    guard = tfmixprec.OverflowGuard()
+    history = model.fit(x_all_bad, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[guard])
+    assert np.isnan(history.history["loss"]) and np.isnan(history.history["mae"])

@@ -15,6 +15,7 @@ from typing import Any
 from tfmixprec._adoption import adopt_at_train_begin, adopt_when_set, loss_scaling_of
 from tfmixprec._cadence import Every
 from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.state_guard import mark_unapplied_epoch
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
@@ -62,6 +63,12 @@ class FitReader:
         optimizer = self.optimizer
         if optimizer is not None:
             self._epoch_start = optimizer.read_state()["overflow_steps"]
+
+    def epoch_end(self, logs: dict | None) -> None:
+        """From `on_epoch_end`: an epoch in which every step was skipped logs nan for its
+        loss and metrics, not the 0 of an empty mean (`state_guard.mark_unapplied_epoch`)."""
+        if self.optimizer is not None:
+            mark_unapplied_epoch(self.model, logs)
 
     def due(self, batch: int) -> bool:
         """Whether an `update_freq`-th step is among the steps up to `batch` (Keras's index)."""

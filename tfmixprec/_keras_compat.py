@@ -43,6 +43,7 @@ __all__ = [
     "float32_convolution_call",
     "float32_product_call",
     "functional_init_arguments",
+    "loss_tracker_count",
     "no_automatic_dependency_tracking",
     "producing_layer",
     "producing_output_index",
@@ -161,6 +162,16 @@ def saved_optimizer_wrapped(weights: Any) -> bool | None:
     if "optimizer" not in weights:
         return None
     return "inner_optimizer" in weights["optimizer"]
+
+
+def loss_tracker_count(model: Any) -> Any:
+    """The step count of the `Mean` behind the `loss` of `fit`'s logs, or None.
+
+    Why: Keras keeps that metric as the private `_loss_tracker`; its count says whether any
+    step of the epoch was applied (after a skipped step is put back), where its result alone
+    reads 0 for no step at all."""
+    tracker = getattr(model, "_loss_tracker", None)
+    return getattr(tracker, "count", None)
 
 
 def tensorboard_batch_work(callback: Any) -> bool:

@@ -126,6 +126,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
+        self._reader.epoch_end(logs)
         opt = self._reader.optimizer
         if opt is None:
             return
@@ -250,6 +251,9 @@ class OverflowGuard(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._reader.epoch_begin()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._reader.epoch_end(logs)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs or {}

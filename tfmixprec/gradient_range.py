@@ -360,6 +360,9 @@ class GradientRangeMonitor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._reader.epoch_begin()  # a driver calls it too
 
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._reader.epoch_end(logs)
+
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self._driver is not None:
             return  # the driver calls step() itself

@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec._keras_compat import update_each_copy
+from tfmixprec._keras_compat import loss_tracker_count, update_each_copy
 from tfmixprec.loss_scale import read_now
 
 __all__ = ["guard_state"]
@@ -51,7 +51,8 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
     Use it inside the step, around the forward pass and `optimizer.apply` (eager or in a
     `tf.function`, under a strategy too: each replica puts back its own copies). With gradient
     accumulation a skipped window's last micro-batch is put back; the earlier micro-batches'
-    state stays (a window is not one step of the forward pass).
+    state stays (a window is not one step of the forward pass). Variables created inside the
+    block (an unbuilt model's first call, eagerly) are not known to it: build the model first.
 
     Args:
         model: `keras.Model`. Its `non_trainable_variables` and `metrics_variables` are
@@ -102,8 +103,42 @@ def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[An
         if not callable(getattr(model.optimizer, "skipped", None)):
             return step(data)  # compiled again with another optimizer: no step is skipped
         with guard_state(model, model.optimizer):
-            return step(data)
+            logs = step(data)
+        return metrics_after_guard(model, logs)
 
     guarded.tfmixprec_guarded = True  # wrapped once
     guarded.__wrapped__ = step  # the step it guards (the user's own, if they set one)
     return guarded
+
+
+def metrics_after_guard(model: keras.Model, logs: Any) -> Any:
+    """A step's `logs` with the model's metric results read again after `guard_state`: the
+    running means over the applied steps (a skipped step's values put back; read inside the
+    block they still held its nan), and nan while no step of the epoch was applied (the mean
+    of nothing, where Keras's `Mean` says 0). Keys that are not metric results stay."""
+    if not isinstance(logs, dict):
+        return logs
+    results = model.get_metrics_result()
+    count = loss_tracker_count(model)
+    fresh = {}
+    for key, value in logs.items():
+        if key in results:
+            value = tf.convert_to_tensor(results[key])
+            if count is not None and value.dtype.is_floating:
+                nothing = tf.equal(read_now(count), 0)
+                value = tf.where(nothing, tf.constant(float("nan"), value.dtype), value)
+        fresh[key] = value
+    return fresh
+
+
+def mark_unapplied_epoch(model: keras.Model, logs: dict | None) -> None:
+    """At the end of an epoch in which no step was applied (every one skipped and put back),
+    the epoch's metric results in `logs` become nan: Keras reads them again from its metrics,
+    whose means of nothing say 0, which would make a diverged epoch look perfect (one host
+    read)."""
+    count = loss_tracker_count(model)
+    if logs is None or count is None or int(count.numpy()) > 0:
+        return
+    for key in model.get_metrics_result():
+        if key in logs:
+            logs[key] = float("nan")

@@ -363,6 +363,7 @@ class TensorBoard(_ChiefWrites):
             self.gradient_monitor.on_epoch_begin(epoch, logs)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._reader.epoch_end(logs)
         super().on_epoch_end(epoch, _without_loss_scale(logs))
         if self.update_freq == "epoch":
             self._write(epoch)

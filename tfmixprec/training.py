@@ -30,7 +30,7 @@ from tfmixprec.diagnosis import (
 )
 from tfmixprec.loss_scale import default_config
 from tfmixprec.optimizer import LossScaleOptimizer
-from tfmixprec.state_guard import guard_state
+from tfmixprec.state_guard import guard_state, metrics_after_guard
 
 __all__ = [
     "MixedPrecisionMixin",
@@ -217,7 +217,8 @@ class MixedPrecisionMixin(MultiWorkerFit):
                 f"the model with compile(). Received: optimizer={self.optimizer!r}"
             )
         with guard_state(self, self.optimizer):  # a skipped step changes no variable
-            logs = dict(super().train_step(data))
+            logs = super().train_step(data)
+        logs = dict(metrics_after_guard(self, logs))  # the means over the applied steps
         logs.update(self.optimizer.snapshot())
         return logs
 
