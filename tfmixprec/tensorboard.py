@@ -345,7 +345,7 @@ class TensorBoard(_ChiefWrites):
         # else: with update_freq="epoch", Keras's callback would only issue per-batch
         # summaries that its writer discards (about 0.1 ms each, every batch): skipped.
         for _, diagnosis in self._diagnoser.new(self.model):
-            self.write_diagnosis(diagnosis, self._current_step())
+            self.write_diagnosis(diagnosis, _current_step(self))
         measured = False
         if self.gradient_monitor is not None:
             logs = logs if isinstance(logs, dict) else None
@@ -415,7 +415,7 @@ class TensorBoard(_ChiefWrites):
         if self.model is not None and not _writes_summaries(self.model):
             return  # a worker other than the chief: the chief writes its own diagnosis
         if step is None:
-            step = self._current_step()
+            step = _current_step(self)
         # Its own writer into the run's train directory: Keras closes its writers when
         # training ends, and a diagnosis usually comes after an overflow, often after `fit`.
         # One writer (one event file) for all of this callback's diagnoses: event files
@@ -428,11 +428,6 @@ class TensorBoard(_ChiefWrites):
         with writer.as_default(), tf.summary.record_if(True):
             tf.summary.text(TAGS["diagnosis"], diagnosis.to_markdown(), step=step)
         writer.flush()
-
-    def _current_step(self) -> int:
-        if self.update_freq == "epoch":
-            return self._epoch
-        return tensorboard_step(self)
 
     def _write_gradients(self, step: int) -> None:
         monitor = self.gradient_monitor
@@ -456,3 +451,11 @@ class TensorBoard(_ChiefWrites):
                     step=step,
                 )
         tensorboard_writer(self).flush()
+
+
+def _current_step(callback: TensorBoard) -> int:
+    """The step a write goes to: the epoch with `update_freq="epoch"`, else Keras's global
+    batch counter."""
+    if callback.update_freq == "epoch":
+        return callback._epoch
+    return tensorboard_step(callback)
