@@ -15,8 +15,5 @@ for _ in $(seq 60); do
   curl -sf "http://127.0.0.1:$port/data/plugin/custom_scalars/layout" >/dev/null && break
   sleep 1
 done
-chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
-  --disable-background-networking --disable-component-update --disable-sync \
-  --user-data-dir="$(mktemp -d)" --hide-scrollbars --window-size=1600,1460 \
-  --virtual-time-budget=20000 --screenshot=docs/dashboard.png \
-  "http://127.0.0.1:$port/#custom_scalars"
+docs/headless_screenshot.sh "http://127.0.0.1:$port/#custom_scalars" docs/dashboard.png \
+  1600,1460 20000

@@ -14,7 +14,4 @@ for _ in $(seq 30); do
   curl -sf "http://127.0.0.1:$port/" >/dev/null && break
   sleep 0.5
 done
-chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
-  --disable-background-networking --disable-component-update --disable-sync \
-  --user-data-dir="$(mktemp -d)" --hide-scrollbars --window-size=1400,1000 \
-  --virtual-time-budget=10000 --screenshot=docs/site-front.png "http://127.0.0.1:$port/"
+docs/headless_screenshot.sh "http://127.0.0.1:$port/" docs/site-front.png 1400,1000 10000

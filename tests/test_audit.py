@@ -22,6 +22,19 @@ A100 = HardwareInfo(gpus=(GPUInfo("NVIDIA A100", (8, 0)),))
 CPU_ONLY = HardwareInfo(cpu_name="Test CPU")
 
 
+def _python(args, cwd=None, timeout=300):
+    """Runs `python ARGS` in a process of its own (the audit's process-wide switches stay
+    there), TensorFlow quiet; returns the finished process."""
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+
+
 def _codes(report):
     return [(f.severity, f.code, f.layer) for f in report.findings]
 
@@ -655,13 +668,7 @@ def test_auditing_a_file_leaves_the_process_as_it_was(tmp_path):
         "print(before == remapping(),"
         " status == tfmixprec.cpu_float16.status())\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
+    done = _python(["-c", code])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True"]
 
@@ -684,13 +691,7 @@ def test_a_legacy_h5_file_with_code_in_its_training_config_is_refused(tmp_path):
         f"try:\n    tfmixprec.audit({str(tmp_path / 'm.h5')!r})\n"
         "except ValueError as err:\n    print(err)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
+    done = _python(["-c", code])
     refused = "m.h5' holds code: an entry of its training config (loss, metrics) is a Python lambda"
     assert refused in done.stdout, done.stdout + done.stderr[-2000:]
 
@@ -717,14 +718,7 @@ def test_a_folder_shadowing_a_trusted_package_is_never_imported(tmp_path, packag
         "import tfmixprec\n"
         "try:\n    tfmixprec.audit('m.keras')\nexcept ValueError as err:\n    print(err)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
+    done = _python(["-c", code], cwd=tmp_path)
     assert f"is module '{package}.layers' (importing '{package}' would run" in done.stdout, (
         done.stdout + done.stderr[-2000:]
     )
@@ -761,14 +755,8 @@ def test_fuzzed_files_end_in_a_documented_exit_code(tmp_path):
     ones: each ends with exit 0, 1 or 2 within seconds, nothing escapes the command, nothing
     is imported, and memory stays bounded."""
     worker = Path(__file__).parent / "workers" / "fuzz_audit.py"
-    done = subprocess.run(
-        [sys.executable, str(worker), "--out", str(tmp_path), "--files", "400", "--seed", "0"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
+    args = [str(worker), "--out", str(tmp_path), "--files", "400", "--seed", "0"]
+    done = _python(args, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads((tmp_path / "fuzz.json").read_text())
     escaped = [(r["file"], r["escaped"]) for r in found["results"] if r["escaped"]]
