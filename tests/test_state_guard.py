@@ -236,6 +236,16 @@ def test_the_logs_of_a_skipped_step_and_of_an_epoch_without_an_applied_step(kind
     assert len(history.history["loss"]) == 2 and np.isfinite(seen).all()
     assert seen[1] == seen[0] and seen[3] == seen[2]  # a skipped step's logs: the mean so far
     x_all_bad, _ = _data(bad=(0, 1, 2, 3))
-    guard = tfmixprec.OverflowGuard()
-    history = model.fit(x_all_bad, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[guard])
-    assert np.isnan(history.history["loss"]) and np.isnan(history.history["mae"])
+    clean = _data(bad=())
+    for validation in (None, clean):  # a validation after it resets and fills the metrics
+        history = model.fit(
+            x_all_bad,
+            y,
+            batch_size=BATCH,
+            shuffle=False,
+            verbose=0,
+            validation_data=validation,
+            callbacks=[tfmixprec.OverflowGuard()],
+        ).history
+        assert np.isnan(history["loss"]) and np.isnan(history["mae"])
+        assert validation is None or np.isfinite(history["val_loss"])

@@ -34,6 +34,7 @@ class FitReader:
         self.model: Any = None
         self._last: dict[str, Any] | None = None
         self._epoch_start = 0
+        self._epoch_start_applied = -1  # set at each epoch's begin
 
     @property
     def optimizer(self) -> LossScaleOptimizer | None:
@@ -62,12 +63,16 @@ class FitReader:
         self.every.epoch_begin()
         optimizer = self.optimizer
         if optimizer is not None:
-            self._epoch_start = optimizer.read_state()["overflow_steps"]
+            state = optimizer.read_state()
+            self._epoch_start = state["overflow_steps"]
+            self._epoch_start_applied = state["iterations"]
 
     def epoch_end(self, logs: dict | None) -> None:
-        """From `on_epoch_end`: an epoch in which every step was skipped logs nan for its
-        loss and metrics, not the 0 of an empty mean (`state_guard.mark_unapplied_epoch`)."""
-        if self.optimizer is not None:
+        """From `on_epoch_end`: an epoch in which every step was skipped (the optimizer's
+        `iterations` did not move) logs nan for its loss and metrics, not the 0 of an empty
+        mean (`state_guard.mark_unapplied_epoch`; one host read)."""
+        optimizer = self.optimizer
+        if optimizer is not None and int(optimizer.iterations.numpy()) == self._epoch_start_applied:
             mark_unapplied_epoch(self.model, logs)
 
     def due(self, batch: int) -> bool:

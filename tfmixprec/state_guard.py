@@ -132,12 +132,11 @@ def metrics_after_guard(model: keras.Model, logs: Any) -> Any:
 
 
 def mark_unapplied_epoch(model: keras.Model, logs: dict | None) -> None:
-    """At the end of an epoch in which no step was applied (every one skipped and put back),
-    the epoch's metric results in `logs` become nan: Keras reads them again from its metrics,
-    whose means of nothing say 0, which would make a diverged epoch look perfect (one host
-    read)."""
-    count = loss_tracker_count(model)
-    if logs is None or count is None or int(count.numpy()) > 0:
+    """For the end of an epoch in which no step was applied (every one skipped and put back):
+    the epoch's training metric results in `logs` become nan. Keras reads them again from its
+    metrics, whose means of nothing say 0, which would make a diverged epoch look perfect;
+    the `val_` results of a validation after it stay."""
+    if logs is None:
         return
     for key in model.get_metrics_result():
         if key in logs:
