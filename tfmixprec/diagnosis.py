@@ -128,7 +128,7 @@ class OverflowDiagnosis:
             f"underflow {self.underflow_fraction:.2%}",
             "",
         ]
-        header = ("layer", "dtype", "max abs", "NaN", "Inf", "max abs (float32)")
+        header = ("layer", "dtype", "max finite abs", "NaN", "Inf", "max abs (float32)")
         rows = [
             (r.layer, r.compute_dtype, f"{r.max_abs:.4g}", r.nan, r.inf, f"{r.float32_max_abs:.4g}")
             + (r.gradient_nonfinite,)
