@@ -249,3 +249,21 @@ def test_the_logs_of_a_skipped_step_and_of_an_epoch_without_an_applied_step(kind
         ).history
         assert np.isnan(history["loss"]) and np.isnan(history["mae"])
         assert validation is None or np.isfinite(history["val_loss"])
+
+
+def test_with_accumulation_an_epoch_of_one_skipped_window_logs_its_counted_micro_batches():
+    """A window of 4 micro-batches whose last one overflows: the window is skipped and its last
+    micro-batch put back; the three before it still count, so the epoch's loss is their mean,
+    not nan (no step applied, but not every micro-batch skipped)."""
+    model = _no_dropout_model(keras.Model)
+    opt = tfmixprec.LossScaleOptimizer(
+        "sgd", initial_scale=1.0, dynamic=False, accumulation_steps=4
+    )
+    model.compile(optimizer=opt, loss="mse")
+    x, y = _data(bad=(3,))
+    history = model.fit(
+        x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[tfmixprec.OverflowGuard()]
+    ).history
+    state = model.optimizer.read_state()
+    assert (state["iterations"], state["overflow_steps"]) == (0, 1)
+    assert np.isfinite(history["loss"][0])

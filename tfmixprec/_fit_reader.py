@@ -68,11 +68,17 @@ class FitReader:
             self._epoch_start_applied = state["iterations"]
 
     def epoch_end(self, logs: dict | None) -> None:
-        """From `on_epoch_end`: an epoch in which every step was skipped (the optimizer's
-        `iterations` did not move) logs nan for its loss and metrics, not the 0 of an empty
-        mean (`state_guard.mark_unapplied_epoch`; one host read)."""
+        """From `on_epoch_end`: an epoch in which every step was skipped (overflows, and the
+        optimizer's `iterations` did not move) logs nan for its loss and metrics, not the 0 of
+        an empty mean (`state_guard.mark_unapplied_epoch`; one host read). Not with gradient
+        accumulation: there an epoch of micro-batches may apply nothing and skip nothing, and
+        a skipped window puts back its last micro-batch only."""
         optimizer = self.optimizer
-        if optimizer is not None and int(optimizer.iterations.numpy()) == self._epoch_start_applied:
+        if optimizer is None or optimizer.accumulation_steps > 1:
+            return
+        state = optimizer.read_state()
+        skipped_all = state["iterations"] == self._epoch_start_applied
+        if skipped_all and state["overflow_steps"] > self._epoch_start:
             mark_unapplied_epoch(self.model, logs)
 
     def due(self, batch: int) -> bool:
