@@ -352,8 +352,7 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         self._reader.set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._reader = FitReader("GradientRangeMonitor", self.update_freq)  # as it is now
-        self._reader.set_model(self.model)
+        self._reader.every.n = self.update_freq  # as it is now (it may be set after __init__)
         self._reader.train_begin()
         self._step = 0
 

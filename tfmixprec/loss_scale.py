@@ -30,8 +30,6 @@ __all__ = ["LossScaleConfig"]  # what the package exports; the rest is internal
 
 # The values `snapshot()` returns; `fit` logs and callbacks show these and only these.
 LOG_KEYS = ("loss_scale", "overflow", "overflow_steps", "skipped_fraction")
-# The step numbers `snapshot()` computes besides them (0-based, skipped steps counted).
-STEP_KEYS = ("step", "last_overflow_step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,17 +508,26 @@ class LossScale(tf.Module):
             and the step numbers: `step`, the steps attempted so far (skipped ones counted:
             the 0-based number of the next step), and `last_overflow_step` (-1: none yet).
         """
-        total = read_now(self.overflow_steps)
-        overflows = tf.cast(total, tf.float32)
-        applied = read_now(iterations)
-        attempted = overflows + tf.cast(applied, tf.float32)
-        last = step_number(read_now(self.last_overflow_iteration), total - 1)
+        return {**self.log_values(iterations), **self.step_numbers(iterations)}
+
+    def log_values(self, iterations: Any) -> dict[str, tf.Tensor]:
+        """`snapshot()`'s `LOG_KEYS` alone: what a step puts in the logs."""
+        overflows = tf.cast(read_now(self.overflow_steps), tf.float32)
+        attempted = overflows + tf.cast(read_now(iterations), tf.float32)
         return {
             "loss_scale": read_now(self.scale_variable),
             "overflow": tf.cast(read_now(self.consecutive_overflows) > 0, tf.float32),
             "overflow_steps": overflows,
             "skipped_fraction": overflows / tf.maximum(attempted, 1.0),
-            "step": step_number(applied, total),
+        }
+
+    def step_numbers(self, iterations: Any) -> dict[str, tf.Tensor]:
+        """`snapshot()`'s step numbers alone (0-based, skipped steps counted): `step` and
+        `last_overflow_step`."""
+        total = read_now(self.overflow_steps)
+        last = step_number(read_now(self.last_overflow_iteration), total - 1)
+        return {
+            "step": step_number(read_now(iterations), total),
             "last_overflow_step": tf.where(total > 0, last, tf.constant(-1, last.dtype)),
         }
 

@@ -26,8 +26,6 @@ from tfmixprec._validate import check_int_at_least_one, is_number
 from tfmixprec.accumulation import GradientAccumulator
 from tfmixprec.attribution import OverflowReport, build_report
 from tfmixprec.loss_scale import (
-    LOG_KEYS,
-    STEP_KEYS,
     LossScale,
     LossScaleConfig,
     all_finite,
@@ -203,8 +201,11 @@ _STATE_DOCS = {
         "The longest run of consecutive overflow steps since `reset_longest_overflow_run()`.",
     ),
 }
-_OTHER_NAMES = {"dynamic_scale": "loss_scale", "step_counter": "good_steps"}
-_OTHER_NAMES["dynamic_counter"] = "good_steps"
+_OTHER_NAMES = {
+    "dynamic_scale": "loss_scale",
+    "step_counter": "good_steps",
+    "dynamic_counter": "good_steps",
+}
 
 
 class _LossScaleReadout:
@@ -220,15 +221,15 @@ class _LossScaleReadout:
     def last_overflow_step(self) -> tf.Tensor:
         """The last overflow step (0-based, skipped steps counted; -1: none), read in the
         graph."""
-        return self._loss_scale.snapshot(self.iterations)["last_overflow_step"]
+        return self._loss_scale.step_numbers(self.iterations)["last_overflow_step"]
 
     def snapshot(self) -> dict[str, tf.Tensor]:
         """The loss-scale values for logs, read in the graph (no host sync; after `apply`
         they include that step). See `LossScale.snapshot`. With accumulation only the
         micro-batch that ends a window can be an overflow step: `overflow` is 0 inside one."""
-        values = self._loss_scale.snapshot(self.iterations)
+        values = self._loss_scale.log_values(self.iterations)
         values["overflow"] = tf.cast(self.skipped(), tf.float32)
-        return {key: values[key] for key in LOG_KEYS}
+        return values
 
     def skipped(self) -> tf.Tensor:
         """Whether the step that just ran was skipped (a scalar bool, read in the graph):
@@ -251,8 +252,8 @@ class _LossScaleReadout:
             skipped ones counted) and `last_overflow_step` (-1: none).
         """
         state = {name: getattr(self, name).numpy().item() for name in STATE_NAMES}
-        numbers = self._loss_scale.snapshot(self.iterations)
-        state.update({key: int(numbers[key].numpy()) for key in STEP_KEYS})
+        numbers = self._loss_scale.step_numbers(self.iterations)
+        state.update({key: int(value.numpy()) for key, value in numbers.items()})
         return {**state, "loss_scale": float(state["loss_scale"])}
 
     # ------------------------------------------------------------ overflow attribution
@@ -311,9 +312,16 @@ class _LossScaleReadout:
 
 
 
-for _name in ("growth_interval", "growth_factor", "backoff_factor", "min_scale", "max_scale"):
-    setattr(_LossScaleReadout, _name, _knob(_name))
-for _name in ("hysteresis", "dynamic"):
+_KNOBS = (
+    "growth_interval",
+    "growth_factor",
+    "backoff_factor",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "dynamic",
+)
+for _name in _KNOBS:
     setattr(_LossScaleReadout, _name, _knob(_name))
 for _attr, (_name, _doc) in _STATE_DOCS.items():
     setattr(_LossScaleReadout, _name, _state(_attr, _doc))
