@@ -12,6 +12,9 @@ from tfmixprec.attribution import LayerOverflows
 from tfmixprec.attribution import OverflowReport
 from tfmixprec.attribution import overflow_report
 from tfmixprec.audit import audit
+from tfmixprec.calibration import CalibrationReport
+from tfmixprec.calibration import LayerCalibration
+from tfmixprec.calibration import calibrate
 from tfmixprec.callbacks import LossScaleMonitor
 from tfmixprec.callbacks import OverflowGuard
 from tfmixprec.diagnosis import KeptBatch
@@ -35,6 +38,8 @@ from tfmixprec.policy import choose_policy
 from tfmixprec.policy import float32_outputs
 from tfmixprec.policy import policy_scope
 from tfmixprec.policy import set_policy
+from tfmixprec.repair import PrecisionRepair
+from tfmixprec.repair import Repair
 from tfmixprec.state_guard import guard_state
 from tfmixprec.tensorboard import TensorBoard
 from tfmixprec.tensorboard import dashboard_layout
@@ -46,6 +51,7 @@ from tfmixprec.training import make_train_step
 
 __all__ = [
     "AuditReport",
+    "CalibrationReport",
     "DoctorReport",
     "Finding",
     "GPUInfo",
@@ -53,6 +59,7 @@ __all__ = [
     "GradientRangeStats",
     "HardwareInfo",
     "KeptBatch",
+    "LayerCalibration",
     "LayerDtypes",
     "LayerOverflows",
     "LayerReplay",
@@ -68,9 +75,12 @@ __all__ = [
     "OverflowReport",
     "PolicyChange",
     "PolicyChoice",
+    "PrecisionRepair",
+    "Repair",
     "TensorBoard",
     "__version__",
     "audit",
+    "calibrate",
     "choose_policy",
     "compute_unscaled_gradients",
     "cpu_float16",

@@ -143,7 +143,7 @@ def observe(model: keras.Model) -> Observation:
     graph_outputs = _graph_outputs(model)
     inputs = _zeros_like_inputs(model)
     recorder = _CallRecorder()
-    with CALLS_LOCK, _state_put_back(model):
+    with CALLS_LOCK, state_put_back(model):
         try:
             # Keras's own warnings about a batch of zeros are not the user's to see, and a
             # warnings filter set to "error" must not end the call either.
@@ -167,7 +167,7 @@ def observe(model: keras.Model) -> Observation:
 
 
 @contextlib.contextmanager
-def _state_put_back(model: keras.Model) -> Iterator[None]:
+def state_put_back(model: keras.Model) -> Iterator[None]:
     """The model's state and its layers' `add_loss` losses as they were, after the block: an
     inference call changes no weight, but a stateful RNN's states, a random layer's seed or a
     layer's own counters it may. Only variables that are not trainable are copied (a large

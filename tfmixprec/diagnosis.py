@@ -537,6 +537,11 @@ class OverflowBatches:
         self.owner = owner
         self.fit: Any = None  # for the callbacks' keeper: the `fit` it keeps for
         self.kept: list[KeptBatch] = []
+        # For `PrecisionRepair`: the batches of the newest overflow step (one a replica),
+        # kept while `keep_latest` is set, and how many overflow batches arrived in all.
+        self.keep_latest = False
+        self.latest: list[KeptBatch] = []
+        self.seen = 0
         self._lock = threading.Lock()
 
     def keep_if_overflow(self, data: Any, overflowed: tf.Tensor, optimizer: Any) -> None:
@@ -551,7 +556,9 @@ class OverflowBatches:
         tensors = [tensor for tensor in flat if tensor is not None]
 
         def keep(*values: Any) -> None:
-            if len(self.kept) >= self.limit:
+            with self._lock:
+                self.seen += 1
+            if len(self.kept) >= self.limit and not self.keep_latest:
                 return  # full: no copy
             arrays = iter(value.numpy() for value in values[:-2])
             rebuilt = [None if tensor is None else next(arrays) for tensor in flat]
@@ -560,6 +567,11 @@ class OverflowBatches:
             with self._lock:
                 if len(self.kept) < self.limit:
                     self.kept.append(kept)
+                if self.keep_latest:
+                    newer = [k for k in self.latest if k.step > kept.step]
+                    if not newer:
+                        same = [k for k in self.latest if k.step == kept.step]
+                        self.latest = [*same, kept]
 
         def on_overflow() -> tf.Tensor:
             scale, step = optimizer.last_overflow_scale, optimizer.last_overflow_step()
@@ -576,8 +588,9 @@ class OverflowBatches:
 # decides nothing in the step, it only receives batches.
 
 
-def cannot_keep_batches(model: Any) -> str | None:
-    """Why `model`'s step cannot keep the batch of an overflow step, or None."""
+def cannot_keep_batches(model: Any, replicas_ok: bool = False) -> str | None:
+    """Why `model`'s step cannot keep the batch of an overflow step, or None (`replicas_ok`:
+    each replica's batch is kept, for `PrecisionRepair`, which replays them all)."""
     if getattr(model, "jit_compile", False):
         return (
             "keeping the batch of an overflow step copies it to the host inside the step, "
@@ -585,7 +598,7 @@ def cannot_keep_batches(model: Any) -> str | None:
             f"automatically. Received: jit_compile={model.jit_compile!r}"
         )
     replicas = model.distribute_strategy.num_replicas_in_sync
-    if replicas > 1:
+    if replicas > 1 and not replicas_ok:
         return (
             "keeping the batch of an overflow step is not supported under a strategy with "
             f"{replicas} replicas yet; call tfmixprec.explain_overflow(model, batch) on the "
@@ -632,22 +645,26 @@ def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
     return make
 
 
-def keep_for_callbacks(model: Any, limit: int, who: str, fit: Any = None) -> OverflowBatches | None:
+def keep_for_callbacks(
+    model: Any, limit: int, who: str, fit: Any = None, latest: bool = False
+) -> OverflowBatches | None:
     """For the callbacks' `diagnose=`: the batches kept already (the user's, or another
     callback's in this `fit`), else a keeper for this `fit`; None, with a warning naming
     `who`, where batches cannot be kept (training goes on without the replay).
 
     `fit` is what marks one `fit` (the `params` dict Keras gives every callback of a `fit`):
     a callbacks' keeper left by an earlier `fit` that raised (Keras then skips
-    `on_train_end`) is replaced, not reused full."""
+    `on_train_end`) is replaced, not reused full. `latest` (for `PrecisionRepair`) also keeps
+    the newest overflow step's batches, one a replica, under any number of replicas."""
     current = current_keeper(model)
     if current is not None and current.owner == "callbacks" and current.fit is not fit:
         current = None  # left by an earlier fit
     if current is not None:
         if current.owner == "callbacks":
             current.limit = max(current.limit, limit)
+        current.keep_latest = current.keep_latest or latest
         return current
-    reason = cannot_keep_batches(model)
+    reason = cannot_keep_batches(model, replicas_ok=latest)
     if reason is not None:
         if current_keeper(model) is not None:  # an earlier fit's: it keeps no more
             set_keeper(model, None)
@@ -656,6 +673,7 @@ def keep_for_callbacks(model: Any, limit: int, who: str, fit: Any = None) -> Ove
         return None
     keeper = OverflowBatches(limit, "callbacks")
     keeper.fit = fit
+    keeper.keep_latest = latest
     return set_keeper(model, keeper)
 
 

@@ -403,6 +403,12 @@ class LossScale(tf.Module):
         self.nonfinite_steps = add("nonfinite_steps", "int", 0, (num_variables,))
         self.last_nonfinite_step = add("last_nonfinite_step", "int", -1, (num_variables,))
 
+    def start_at(self, scale: float) -> None:
+        """Before the first step: the scale starts at `scale` (validated as `initial_scale`,
+        within the bounds), and the config says so."""
+        self.config = dataclasses.replace(self.config, initial_scale=scale)
+        self.scale_variable.assign(self.config.initial_scale)
+
     # ------------------------------------------------------------ the step
     def scale(self, loss: Any) -> tf.Tensor:
         """`loss * scale`, computed in float32 (float64 stays float64). Starts a step: the

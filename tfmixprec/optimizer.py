@@ -340,6 +340,17 @@ class _LossScaleUpkeep:
         it at `on_train_begin`, then reads the longest run at each check)."""
         reset_longest_overflow_run(self._loss_scale)
 
+    def start_at(self, scale: float) -> None:
+        """Before the first step, starts the scale at `scale` (`CalibrationReport.apply`):
+        the scale and `initial_scale` in the config.
+
+        Raises:
+            ValueError: If `scale` is not a valid `initial_scale` for the bounds.
+        """
+        self._loss_scale.start_at(scale)
+        self.loss_scale_config = self._loss_scale.config
+        self.initial_scale = self.loss_scale_config.initial_scale  # Keras's attribute
+
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
         """Called by Keras at the end of `fit`; also reports a `min_scale` overflow and a
         gradient accumulation window the `fit` left partly summed."""

@@ -303,13 +303,23 @@ def float32_outputs(model: keras.Model) -> list[PolicyChange]:
     changes = _float32_changes(observe(model).outputs)
     if not changes:
         return []
-    saved_before = _saved_config(model)
-    for layer, _ in changes:
-        layer.dtype_policy = keras.DTypePolicy("float32")
-    forget_traced_functions(model)
-    _warn_if_not_saved(model, saved_before, [change for _, change in changes])
+    recorded = compute_in_float32(model, [layer for layer, _ in changes])
+    if not recorded:
+        _warn_if_not_saved(model, [change for _, change in changes])
     _warn_if_still_low(model)
     return [change for _, change in changes]
+
+
+def compute_in_float32(model: keras.Model, layers: Sequence[Any]) -> bool:
+    """Makes each of `layers` compute in float32 and drops `model`'s traced functions (a
+    `fit` in progress retraces with `model.make_train_function(force=True)`). Returns whether
+    the model's saved config records the change (False: a reloaded model computes them in
+    the policy's dtype again; a KerasHub task's config holds its constructor's arguments)."""
+    before = _saved_config(model)
+    for layer in layers:
+        layer.dtype_policy = keras.DTypePolicy("float32")
+    forget_traced_functions(model)
+    return before is None or _saved_config(model) != before
 
 
 def _float32_changes(outputs: Sequence[Any]) -> list[tuple[Any, PolicyChange]]:
@@ -363,12 +373,10 @@ def _saved_config(model: keras.Model) -> Any:
         return None
 
 
-def _warn_if_not_saved(model: keras.Model, before: Any, changes: list[PolicyChange]) -> None:
-    """Warns when the model's config does not record the change: a saved and loaded model
+def _warn_if_not_saved(model: keras.Model, changes: list[PolicyChange]) -> None:
+    """Warns that the model's config does not record the change: a saved and loaded model
     (a KerasHub task, whose config holds its constructor's arguments only) computes those
     outputs in float16/bfloat16 again."""
-    if before is None or _saved_config(model) != before:
-        return
     names = ", ".join(repr(change.layer) for change in changes)
     warnings.warn(
         f"float32_outputs changed {names} of model {model.name!r}, but its config does not "

@@ -1,0 +1,83 @@
+"""Small float16 models whose values pass 65504 in one known way (finite in float32), shared
+by test_calibration and test_repair."""
+
+import contextlib
+
+import keras
+import numpy as np
+
+import tfmixprec
+
+C = keras.initializers.Constant
+
+
+def model(kind, optimizer=None, cls=None, strategy=None):
+    """A float16 model whose values pass 65504 in one way (`kind`), finite in float32."""
+    keras.utils.set_random_seed(0)
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with tfmixprec.policy_scope("mixed_float16"), scope:
+        inputs = keras.Input((4, 8) if kind == "attention" else (8,))
+        if kind == "attention":  # the logits pass 65504 inside MultiHeadAttention
+            attention = keras.layers.MultiHeadAttention(
+                2, 8, name="mha", dropout=0.1, kernel_initializer=C(30.0)
+            )
+            hidden = keras.layers.LayerNormalization(name="norm")(attention(inputs, inputs))
+            hidden = keras.layers.Flatten(name="flat")(hidden)
+        else:
+            stem = keras.layers.Dense(16, name="stem")(inputs)
+            # "flows": frozen, so training (the 1e5 activations would make a trainable `proj`
+            # diverge) does not change where the values pass 65504.
+            frozen = {"trainable": kind != "flows"}
+            big = keras.layers.Dense(16, name="big", kernel_initializer=C(10000.0), **frozen)
+            hidden = big(inputs)
+            if kind == "flows":  # into the next layer, which brings it back into range
+                proj = keras.layers.Dense(16, name="proj", kernel_initializer=C(1e-6), **frozen)
+                hidden = proj(hidden)
+            elif kind == "residual":  # a residual add, then a normalization
+                hidden = keras.layers.Add(name="add")([hidden, stem])
+            if kind in ("norm", "residual"):
+                hidden = keras.layers.LayerNormalization(name="norm")(hidden)
+            hidden = keras.layers.Dense(16, name="after")(hidden)
+        outputs = keras.layers.Dense(1, name="out", dtype="float32")(hidden)
+        built = (cls or keras.Model)(inputs, outputs)
+        optimizer = optimizer or tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(1e-6))
+        built.compile(optimizer, "mse")
+    return built
+
+
+def two_branches():
+    """`big1` reads feature 0 and `big2` feature 1 (x 10000 each): a batch whose feature 0 is
+    10 overflows `big1` only, one whose feature 1 is 10 `big2` only."""
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        branches = []
+        for index in (0, 1):
+            kernel = np.zeros((8, 16), "float32")
+            kernel[index] = 10000.0
+            dense = keras.layers.Dense(16, name=f"big{index + 1}", kernel_initializer=C(0.0))
+            branch = dense(inputs)
+            dense.kernel.assign(kernel)
+            small = keras.layers.Dense(4, name=f"proj{index + 1}", kernel_initializer=C(1e-4))
+            branches.append(small(branch))
+        hidden = keras.layers.Concatenate(name="join")(branches)
+        outputs = keras.layers.Dense(1, name="out", dtype="float32")(hidden)
+        built = keras.Model(inputs, outputs)
+        built.compile(keras.optimizers.SGD(1e-4), "mse")
+    return built
+
+
+def data(kind, n=32):
+    """`n` rows of standard normal inputs (4 positions of them for attention), zero targets."""
+    x = np.random.default_rng(0).normal(size=(n, 8)).astype("float32")
+    if kind == "attention":
+        x = np.repeat(x[:, None, :], 4, axis=1)
+    return x, np.zeros((n, 1), "float32")
+
+
+def overflowing(n=256, every=8, feature=0):
+    """`n` rows of small inputs in which every `every`-th row has 10 at `feature`: each batch
+    of `every` rows or more passes 65504 in `big` (10000 x 10), zero targets."""
+    x = 0.1 * np.random.default_rng(1).normal(size=(n, 8)).astype("float32")
+    x[::every, feature] = 10.0
+    return x, np.zeros((n, 1), "float32")

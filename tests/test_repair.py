@@ -1,0 +1,202 @@
+"""PrecisionRepair: the right step and layers on a plain keras.Model, a MixedPrecisionModel, a
+KerasHub model and 2 replicas; nothing repaired on bad data or when the scale suffices."""
+
+import keras
+import numpy as np
+import pytest
+from overflow_models import model as overflow_model
+from overflow_models import overflowing, two_branches
+from tensorflow.python.framework import ops as tf_ops
+
+import tfmixprec
+from tfmixprec._layers import iter_layers
+from tfmixprec.calibration import layer_key
+
+MESSAGE = "'big': its outputs reach 1.036e+05, past float16's 65504"
+REPAIR = tfmixprec.Repair(4, ("big", "proj"), "forward-overflow", MESSAGE)
+
+
+class _Weights(keras.callbacks.Callback):
+    """The weights at the end of each batch, in the order the batches ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append([w.copy() for w in self.model.get_weights()])
+
+
+def _fit(model, repair, epochs=2, data=None, **kwargs):
+    x, y = data if data is not None else overflowing()
+    watch = _Weights()
+    history = model.fit(
+        x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0, callbacks=[repair, watch]
+    )
+    return history, watch
+
+
+@pytest.mark.parametrize("kind", ["keras", "mixed_precision_model"])
+def test_the_repair_comes_at_the_fifth_overflow_in_the_right_layers(kind, capsys):
+    if kind == "keras":  # compiled the Keras way: Keras's own LossScaleOptimizer, adopted
+        with tfmixprec.policy_scope("mixed_float16"):
+            model = overflow_model("flows", optimizer=keras.optimizers.SGD(1e-6))
+    else:
+        model = overflow_model("flows", cls=tfmixprec.MixedPrecisionModel)
+    start = model.get_weights()
+    repair = tfmixprec.PrecisionRepair()
+    history, watch = _fit(model, repair)
+    assert repair.repairs == repair.judgments == [REPAIR]
+    assert str(REPAIR) in capsys.readouterr().out.splitlines()
+    assert history.history["repairs"] == [1.0, 1.0]
+    state = model.optimizer.read_state()
+    assert (state["overflow_steps"], state["iterations"]) == (5, 11)  # none after the repair
+    for weights in watch.seen[:5]:  # the skipped steps changed nothing
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(weights, start))
+    assert all(np.isfinite(history.history["loss"]))
+    policies = {layer.name: layer.compute_dtype for layer in model.layers}
+    assert (policies["big"], policies["proj"], policies["after"]) == ("float32",) * 2 + ("float16",)
+
+
+def test_a_repaired_model_saves_and_loads_its_policies(tmp_path):
+    model = overflow_model("flows")
+    _fit(model, tfmixprec.PrecisionRepair(verbose=0), epochs=1)
+    path = str(tmp_path / "repaired.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    policies = {layer.name: layer.dtype_policy.name for layer in loaded.layers[1:]}
+    assert policies == {layer.name: layer.dtype_policy.name for layer in model.layers[1:]}
+    assert policies == {"big": "float32", "proj": "float32"} | {
+        "after": "mixed_float16",
+        "out": "float32",
+    }
+    x = overflowing(32)[0]
+    assert np.array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert np.isfinite(loaded.predict(x, verbose=0)).all()
+
+
+def test_two_replicas_repair_as_one_device(two_cpu_strategy):
+    one = overflow_model("flows")
+    repair_one = tfmixprec.PrecisionRepair(verbose=0)
+    _fit(one, repair_one)
+    two = overflow_model("flows", strategy=two_cpu_strategy)
+    repair_two = tfmixprec.PrecisionRepair(verbose=0)
+    _fit(two, repair_two)
+    assert repair_two.repairs == repair_one.repairs == [REPAIR]
+    assert two.optimizer.read_state()["overflow_steps"] == 5
+    for a, b in zip(one.get_weights(), two.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)  # 11 float32 SGD steps
+
+
+def test_a_kerashub_model_compiled_the_ordinary_way():
+    """GPT-2's first feed-forward kernel x3000: GELU's backward squares its ~340 inputs
+    (past 65504) in float16, so those gradients are not finite at any scale."""
+    with tfmixprec.policy_scope("mixed_float16"):
+        zoo = tfmixprec.zoo.build("gpt2")
+        model = zoo.model
+        model.compile(keras.optimizers.SGD(1e-4), zoo.loss)
+    name = "transformer_layer_0/feedforward_intermediate_dense"
+    layer = next(layer for layer in iter_layers(model) if layer_key(layer) == name)
+    layer.kernel.assign(layer.kernel * 3000.0)
+    x, y, weights = zoo.data(8)
+    repair = tfmixprec.PrecisionRepair(verbose=0)
+    model.fit(x, y, sample_weight=weights, batch_size=zoo.batch_size, epochs=1, shuffle=False,
+              verbose=0, callbacks=[repair])  # fmt: skip
+    assert [(r.step, r.layers, r.cause) for r in repair.repairs] == [
+        (4, (name,), "backward-overflow")
+    ]
+    state = model.optimizer.read_state()
+    assert (state["overflow_steps"], state["iterations"]) == (5, 3)
+
+
+def test_bad_data_is_named_not_repaired(capsys):
+    model = overflow_model("norm")
+    x, y = overflowing(every=10**6)  # nothing passes 65504
+    x[::8, 3] = np.nan
+    repair = tfmixprec.PrecisionRepair()
+    _fit(model, repair, epochs=1, data=(x, y))
+    assert repair.repairs == []
+    [judgment] = repair.judgments
+    assert (judgment.step, judgment.cause, judgment.layers) == (4, "bad-data", ())
+    assert str(judgment) == (
+        "PrecisionRepair: step 4: not repaired (bad-data): the batch's inputs hold 4 NaN/Inf "
+        "values: no float32 layer and no loss scale can fix this. Clean or filter the data "
+        "(dataset.filter on tf.math.is_finite)."
+    )
+    assert capsys.readouterr().out.splitlines() == [str(judgment)]
+    assert all(layer.compute_dtype != "float32" for layer in model.layers[1:-1])
+
+
+def test_nothing_is_repaired_when_the_scale_suffices():
+    """Gradients past 65504 at 2^15 but finite lower down: 7 overflows in a row, judged once
+    (the scale absorbs them), no repair."""
+    model = overflow_model("norm")
+    big = model.get_layer("big")
+    big.kernel.assign(np.full(big.kernel.shape, 0.1, "float32"))
+    x, _ = overflowing(every=10**6)
+    repair = tfmixprec.PrecisionRepair()
+    _fit(model, repair, epochs=1, data=(x, np.full((256, 1), 3.0, "float32")))
+    assert repair.judgments == repair.repairs == []
+    assert model.optimizer.read_state()["overflow_steps"] >= 5
+
+
+def test_max_repairs_is_respected():
+    x = 0.1 * np.random.default_rng(1).normal(size=(320, 8)).astype("float32")
+    x[:160:8, 0] = 10.0  # batches 0-4 overflow big1, batches 5-9 big2
+    x[160::8, 1] = 10.0
+    y = np.zeros((320, 1), "float32")
+    layers = []
+    for most in (1, 2):
+        repair = tfmixprec.PrecisionRepair(max_repairs=most, verbose=0)
+        _fit(two_branches(), repair, epochs=1, data=(x, y))
+        layers.append([r.layers for r in repair.repairs])
+    assert layers == [[("big1", "proj1")], [("big1", "proj1"), ("big2", "proj2")]]
+
+
+def test_armed_it_reads_nothing_while_nothing_overflows(monkeypatch):
+    """No device-to-host read in the batches of a clean fit beyond what a fit without it
+    makes (EagerTensor._numpy is behind .numpy(), float() and np.asarray)."""
+    counts = []
+    original = tf_ops._EagerTensorBase._numpy
+    for callbacks in ([], [tfmixprec.PrecisionRepair()]):
+        model = overflow_model("norm")
+        big = model.get_layer("big")
+        big.kernel.assign(np.full(big.kernel.shape, 1e-3, "float32"))
+        model.fit(*overflowing(every=10**6), epochs=1, verbose=0, callbacks=callbacks)  # traced
+        reads = []
+
+        def counting(tensor, reads=reads):
+            reads.append(1)
+            return original(tensor)
+
+        class Window(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                if batch == 1:
+                    monkeypatch.setattr(tf_ops._EagerTensorBase, "_numpy", counting)
+
+            def on_train_batch_end(self, batch, logs=None):  # before the epoch's end reads
+                if batch == 7:
+                    monkeypatch.setattr(tf_ops._EagerTensorBase, "_numpy", original)
+
+        model.fit(*overflowing(every=10**6), epochs=1, verbose=0, callbacks=[*callbacks, Window()])
+        counts.append(len(reads))
+    assert counts[1] == counts[0]
+    assert model.optimizer.read_state()["overflow_steps"] == 0
+
+
+def test_config_round_trip_and_bad_arguments():
+    repair = tfmixprec.PrecisionRepair(max_repairs=2, max_consecutive=7, verbose=0)
+    again = tfmixprec.PrecisionRepair.from_config(repair.get_config())
+    assert again.get_config() == {"max_repairs": 2, "max_consecutive": 7, "verbose": 0}
+    for name in ("max_repairs", "max_consecutive"):
+        with pytest.raises(ValueError, match=name):
+            tfmixprec.PrecisionRepair(**{name: 0})
+
+
+def test_without_loss_scaling_it_does_nothing():
+    model = overflow_model("flows")
+    model.compile(keras.optimizers.SGD(1e-6), "mse", auto_scale_loss=False)
+    repair = tfmixprec.PrecisionRepair()
+    _fit(model, repair, epochs=1)
+    assert repair.judgments == []
+    assert tfmixprec.diagnosis.current_keeper(model) is None  # nothing kept in its step
