@@ -1,6 +1,11 @@
 """PrecisionRepair: the right step and layers on a plain keras.Model, a MixedPrecisionModel, a
 KerasHub model and 2 replicas; nothing repaired on bad data or when the scale suffices."""
 
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
 import keras
 import numpy as np
 import pytest
@@ -11,6 +16,9 @@ from tensorflow.python.framework import ops as tf_ops
 import tfmixprec
 from tfmixprec._layers import iter_layers
 from tfmixprec.calibration import layer_key
+from tfmixprec.testing import run_workers
+
+WORKERS = Path(__file__).resolve().parent / "workers"
 
 MESSAGE = "'big': its outputs reach 1.036e+05, past float16's 65504"
 REPAIR = tfmixprec.Repair(4, ("big", "proj"), "forward-overflow", MESSAGE)
@@ -200,3 +208,30 @@ def test_without_loss_scaling_it_does_nothing():
     _fit(model, repair, epochs=1)
     assert repair.judgments == []
     assert tfmixprec.diagnosis.current_keeper(model) is None  # nothing kept in its step
+
+
+@pytest.mark.slow
+def test_two_workers_make_the_same_repair_at_the_same_step(tmp_path):
+    """Only worker 1's shard passes 65504; worker 0's batch replays finite. The verdicts are
+    summed over the workers, so both move the same layers at step 4, as one process does."""
+    command = [sys.executable, str(WORKERS / "repair_worker.py"), "--out", str(tmp_path)]
+    results = run_workers(command, num_workers=2, timeout=240)
+    failed = [f"worker {r.index}: {r.stderr[-3000:]}" for r in results if r.returncode]
+    assert not failed, "\n".join(failed)
+    workers = [json.loads((tmp_path / f"repair-{i}.json").read_text()) for i in range(2)]
+    spec = importlib.util.spec_from_file_location("repair_worker", WORKERS / "repair_worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    model = overflow_model("flows", cls=tfmixprec.MixedPrecisionModel)
+    repair = tfmixprec.PrecisionRepair(verbose=0)
+    model.fit(worker.dataset(*worker.data()), epochs=2, shuffle=False, verbose=0,
+              callbacks=[repair])  # fmt: skip
+    one = worker.summary(model, repair)
+    assert (
+        workers[0]["repairs"] == workers[1]["repairs"] == [[4, ["big", "proj"], "forward-overflow"]]
+    )
+    assert one["repairs"] == workers[0]["repairs"]
+    assert workers[0]["hash"] == workers[1]["hash"]
+    assert workers[0]["dtypes"] == workers[1]["dtypes"] == one["dtypes"]
+    for key in ("overflow_steps", "iterations", "loss_scale"):
+        assert workers[0]["state"][key] == workers[1]["state"][key] == one["state"][key]
