@@ -90,7 +90,9 @@ def test_two_replicas_repair_as_one_device(two_cpu_strategy):
     two = overflow_model("flows", strategy=two_cpu_strategy)
     repair_two = tfmixprec.PrecisionRepair(verbose=0)
     _fit(two, repair_two)
-    assert repair_two.repairs == repair_one.repairs == [REPAIR]
+    # Each replica's batch is replayed: the message names the first one's values.
+    found = [(r.step, r.layers, r.cause) for r in repair_one.repairs + repair_two.repairs]
+    assert found == [(4, ("big", "proj"), "forward-overflow")] * 2
     assert two.optimizer.read_state()["overflow_steps"] == 5
     for a, b in zip(one.get_weights(), two.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)  # 11 float32 SGD steps
@@ -232,6 +234,28 @@ def test_two_workers_make_the_same_repair_at_the_same_step(tmp_path):
     )
     assert one["repairs"] == workers[0]["repairs"]
     assert workers[0]["hash"] == workers[1]["hash"]
-    assert workers[0]["dtypes"] == workers[1]["dtypes"] == one["dtypes"]
+    assert workers[0]["dtypes"] == workers[1]["dtypes"]
+    assert one["dtypes"]["big"] == workers[0]["dtypes"]["big"] == "float32"
     for key in ("overflow_steps", "iterations", "loss_scale"):
         assert workers[0]["state"][key] == workers[1]["state"][key] == one["state"][key]
+
+
+def test_tensorboard_and_the_audit_speak_of_the_repair(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    repair_model = overflow_model("flows")
+    board = tfmixprec.TensorBoard(str(tmp_path / "run"))
+    repair_model.fit(*overflowing(), batch_size=32, epochs=1, shuffle=False, verbose=0,
+                     callbacks=[tfmixprec.PrecisionRepair(verbose=0), board])  # fmt: skip
+    events = event_accumulator.EventAccumulator(
+        str(tmp_path / "run" / "train"), size_guidance={"tensors": 0}
+    )
+    events.Reload()
+    [written] = events.Tensors("mixed_precision/repairs")
+    assert written.step == 4
+    assert written.tensor_proto.string_val[0].decode() == REPAIR.to_markdown()
+    info = [f for f in tfmixprec.audit(repair_model).findings if f.code == "float32-on-purpose"]
+    assert [f.message for f in info] == [
+        "2 layers compute in float32 on purpose: 'big' (PrecisionRepair at step 4 "
+        "(forward-overflow)), 'proj' (PrecisionRepair at step 4 (forward-overflow))."
+    ]

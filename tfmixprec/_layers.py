@@ -145,3 +145,18 @@ def forget_traced_functions(model: keras.Model) -> None:
     for attr in ("train_function", "test_function", "predict_function"):
         if getattr(model, attr, None) is not None:
             setattr(model, attr, None)
+
+
+# Layers set to float32 on purpose by `CalibrationReport.apply` or `PrecisionRepair`, with why,
+# for the audit (an info, not a finding to fix). Held on the model object in this process.
+_ON_PURPOSE = "_tfmixprec_float32_on_purpose"
+
+
+def mark_float32(model: Any, reasons: dict[str, str]) -> None:
+    """Records that the layers named in `reasons` (path -> why) compute in float32 on purpose."""
+    model.__dict__[_ON_PURPOSE] = {**float32_on_purpose(model), **reasons}
+
+
+def float32_on_purpose(model: Any) -> dict[str, str]:
+    """The layers of `model` set to float32 on purpose (path -> why), oldest first."""
+    return dict(vars(model).get(_ON_PURPOSE, {}))

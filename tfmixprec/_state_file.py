@@ -130,8 +130,10 @@ def _difference(missing: list[str], extra: list[str]) -> str:
             "this optimizer accumulates gradients and the file's did not (create it without "
             "accumulation_steps)"
         )
-    parts.append(f"missing from the file: {missing or 'nothing'}; not in this optimizer: "
-                 f"{extra or 'nothing'}")
+    parts.append(
+        f"missing from the file: {missing or 'nothing'}; not in this optimizer: "
+        f"{extra or 'nothing'}"
+    )
     return ". ".join(parts) + ". Nothing was loaded."
 
 

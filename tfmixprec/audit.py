@@ -13,7 +13,7 @@ from typing import Any
 import keras
 
 from tfmixprec import cpu_float16
-from tfmixprec._layers import check_built_model, is_container, iter_layers
+from tfmixprec._layers import check_built_model, float32_on_purpose, is_container, iter_layers
 from tfmixprec._model_file import load_model_file
 from tfmixprec._observe import Observation, observe, policies_swapped
 from tfmixprec._text import markdown_table
@@ -384,6 +384,19 @@ def _output_outside_layers(model: keras.Model, context: _AuditContext) -> list[F
     return [Finding("error", "low-precision-output", None, message, fix)]
 
 
+def _float32_on_purpose(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    """`float32-on-purpose` (info): layers that `calibrate` or `PrecisionRepair` set to
+    float32 because their values pass float16's range (recorded on the model in this
+    process): expected, nothing to fix."""
+    marked = float32_on_purpose(model)
+    if not marked:
+        return []
+    names = ", ".join(f"{path!r} ({why})" for path, why in marked.items())
+    message = f"{len(marked)} layers compute in float32 on purpose: {names}."
+    fix = "Nothing to fix: their values pass float16's range (see docs/guides/repair.md)."
+    return [Finding("info", "float32-on-purpose", None, message, fix)]
+
+
 def _unobserved(model: keras.Model, context: _AuditContext) -> list[Finding]:
     """`unobserved` (info): the model could not be called on a batch of zeros, so its outputs'
     dtypes are the ones Keras infers symbolically (which a real call can contradict)."""
@@ -505,6 +518,7 @@ CHECKS: tuple[tuple[str, _Check], ...] = (
     ("layer", _low_precision_variable),
     ("model", _output_outside_layers),
     ("model", _unobserved),
+    ("model", _float32_on_purpose),
     ("model", _loss_scaling),  # not-compiled / no-loss-scaling
     ("model", _cpu_float16_kernels),
     ("model", _xla_bfloat16_cpu),

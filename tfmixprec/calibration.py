@@ -47,6 +47,7 @@ from tfmixprec._layers import (
     compiled_loss,
     iter_layers,
     loss_value,
+    mark_float32,
     variable_owners,
     watch_leaf_calls,
 )
@@ -413,6 +414,8 @@ class CalibrationReport:
         ]
         if changes and not compute_in_float32(model, layers):
             warn_not_recorded(model, "calibrate", [change.layer for change in changes])
+        why = {c.layer: f"calibrate: {c.why}" for c in changes}
+        mark_float32(model, why)
         if restart is not None:
             changes.append(restart())
         return changes

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tfmixprec._fit_hooks import Diagnoser
 from tfmixprec._fit_reader import FitReader
+from tfmixprec._layers import float32_on_purpose
 from tfmixprec._validate import check_bool, check_int_at_least_one
 from tfmixprec.attribution import overflow_report
 from tfmixprec.diagnosis import OverflowDiagnosis
@@ -297,6 +298,10 @@ class OverflowGuard(keras.callbacks.Callback):
         if self.restore_weights and self._good_weights is not None:
             self.model.set_weights(self._good_weights)
             restored = " The weights after the last clean step were restored."
+        repaired = float32_on_purpose(self.model)
+        if repaired:  # a repair is not the failure: say what was repaired before it
+            names = ", ".join(repr(path) for path in repaired)
+            restored += f" Already computing in float32 on purpose: {names}."
         self.stop_message = (
             f"OverflowGuard stopped training at step {step}: {reason}. "
             + ("This is not a loss scale finding its level: likely" if scaled else "Likely")

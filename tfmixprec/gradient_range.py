@@ -26,7 +26,6 @@ from tfmixprec.unscaling import gradient_values
 __all__ = ["GradientRangeMonitor", "GradientRangeStats", "gradient_range_stats"]
 
 
-
 @dataclasses.dataclass
 class GradientRangeStats:
     """Where gradient magnitudes fall relative to float16's range.

@@ -310,8 +310,6 @@ class _LossScaleReadout:
         return {**config, **{key: getattr(self, key) for key in CONFIG_NAMES}}
 
 
-
-
 _KNOBS = (
     "growth_interval",
     "growth_factor",
@@ -400,6 +398,7 @@ class _LossScaleUpkeep:
         inner = list(self.inner_optimizer.variables)
         everything = list(self.variables)  # its own, then the inner optimizer's
         return everything[: len(everything) - len(inner)], inner
+
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
 class LossScaleOptimizer(_LossScaleReadout, _LossScaleUpkeep, KerasLossScaleHooks):

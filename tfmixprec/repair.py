@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._fit_reader import FitReader
-from tfmixprec._layers import compiled_loss, iter_layers
+from tfmixprec._layers import compiled_loss, iter_layers, mark_float32
 from tfmixprec._text import docs_page
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.calibration import Float32Set, Replayer, float32_set, layer_key, warn_not_recorded
@@ -212,6 +212,8 @@ class PrecisionRepair(keras.callbacks.Callback):
         if judgment.repaired:
             if not compute_in_float32(self.model, layers):
                 warn_not_recorded(self.model, "PrecisionRepair", judgment.layers)
+            reason = f"PrecisionRepair at step {step} ({judgment.cause})"
+            mark_float32(self.model, {layer: reason for layer in judgment.layers})
             self.model.make_train_function(force=True)
             self.repairs.append(judgment)
             _record(self.model, judgment)

@@ -27,6 +27,7 @@ from tfmixprec.attribution import OverflowReport, overflow_report
 from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.gradient_range import GradientRangeMonitor
 from tfmixprec.loss_scale import LOG_KEYS
+from tfmixprec.repair import repairs_of
 
 __all__ = ["TensorBoard", "dashboard_layout"]  # what the package exports
 
@@ -42,6 +43,7 @@ TAGS = {
     "layer_overflow_steps": f"{PREFIX}/layer_overflow_steps",  # + "/<layer>"
     "overflow_report": f"{PREFIX}/overflow_report",  # text
     "diagnosis": f"{PREFIX}/diagnosis",  # text
+    "repairs": f"{PREFIX}/repairs",  # text, at each PrecisionRepair repair's step
 }
 LAYOUT_TITLE = "Mixed precision"
 LAYERS_TITLE = f"{LAYOUT_TITLE}: overflow steps per layer (total)"  # one chart a layer
@@ -289,6 +291,7 @@ class TensorBoard(_ChiefWrites):
         self._grad_measured_at: int | None = None
         self._epoch = 0
         self._diagnosis_writer: tuple[str, Any] | None = None  # (its directory, the writer)
+        self._repairs_written = 0
         self.diagnose = diagnose
         self._diagnoser = diagnoser
         self._charted_layers: list[str] = []  # the layers with a chart in the layout
@@ -327,6 +330,7 @@ class TensorBoard(_ChiefWrites):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         opt = self._reader.train_begin()
+        self._repairs_written = len(repairs_of(self.model))  # earlier fits' are written
         super().on_train_begin(logs)
         self._diagnoser.start(self, opt)
         if self.gradient_monitor is not None:
@@ -335,6 +339,7 @@ class TensorBoard(_ChiefWrites):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._diagnoser.stop(self.model)
+        _write_repairs(self)
         if self.update_freq != "epoch":  # overflows after the last write: written now
             self._write(tensorboard_step(self), only_new_overflows=True)
         super().on_train_end(logs)
@@ -346,6 +351,7 @@ class TensorBoard(_ChiefWrites):
         # summaries that its writer discards (about 0.1 ms each, every batch): skipped.
         for _, diagnosis in self._diagnoser.new(self.model):
             self.write_diagnosis(diagnosis, _current_step(self))
+        _write_repairs(self)
         measured = False
         if self.gradient_monitor is not None:
             logs = logs if isinstance(logs, dict) else None
@@ -421,13 +427,7 @@ class TensorBoard(_ChiefWrites):
         # One writer (one event file) for all of this callback's diagnoses: event files
         # opened in the same second sort by a per-process counter as text ("...10.v2" before
         # "...9.v2"), so a new file per diagnosis could be read back out of order.
-        log_dir = os.path.join(self.log_dir, "train")
-        if self._diagnosis_writer is None or self._diagnosis_writer[0] != log_dir:
-            self._diagnosis_writer = (log_dir, tf.summary.create_file_writer(log_dir))
-        writer = self._diagnosis_writer[1]
-        with writer.as_default(), tf.summary.record_if(True):
-            tf.summary.text(TAGS["diagnosis"], diagnosis.to_markdown(), step=step)
-        writer.flush()
+        _write_text(self, TAGS["diagnosis"], diagnosis.to_markdown(), step)
 
     def _write_gradients(self, step: int) -> None:
         monitor = self.gradient_monitor
@@ -459,3 +459,25 @@ def _current_step(callback: TensorBoard) -> int:
     if callback.update_freq == "epoch":
         return callback._epoch
     return tensorboard_step(callback)
+
+
+def _write_repairs(board: TensorBoard) -> None:
+    """Each `PrecisionRepair` repair made since the last call, as a text at its step (a
+    host-side list: nothing read from the device)."""
+    repairs = repairs_of(board.model)
+    if not _writes_summaries(board.model):
+        return
+    for repair in repairs[board._repairs_written :]:
+        _write_text(board, TAGS["repairs"], repair.to_markdown(), repair.step)
+    board._repairs_written = len(repairs)
+
+
+def _write_text(board: TensorBoard, tag: str, text: str, step: int) -> None:
+    """A text summary into the run's train directory, through the callback's own writer."""
+    log_dir = os.path.join(board.log_dir, "train")
+    if board._diagnosis_writer is None or board._diagnosis_writer[0] != log_dir:
+        board._diagnosis_writer = (log_dir, tf.summary.create_file_writer(log_dir))
+    writer = board._diagnosis_writer[1]
+    with writer.as_default(), tf.summary.record_if(True):
+        tf.summary.text(tag, text, step=step)
+    writer.flush()
