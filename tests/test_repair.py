@@ -259,3 +259,15 @@ def test_tensorboard_and_the_audit_speak_of_the_repair(tmp_path):
         "2 layers compute in float32 on purpose: 'big' (PrecisionRepair at step 4 "
         "(forward-overflow)), 'proj' (PrecisionRepair at step 4 (forward-overflow))."
     ]
+
+
+def test_the_monitor_says_the_overflows_were_repaired():
+    monitor = tfmixprec.LossScaleMonitor(update_freq=8)
+    model = overflow_model("flows")
+    model.fit(*overflowing(), batch_size=32, epochs=1, shuffle=False, verbose=0,
+              callbacks=[tfmixprec.PrecisionRepair(verbose=0), monitor])  # fmt: skip
+    assert monitor.events == [
+        "5 overflows in steps 0-7, the last at step 4 (0-based, skipped steps counted), loss "
+        "scale 32768 -> 1024; gradients not finite in: after, out; repaired at step 4: "
+        "'big', 'proj' now float32"
+    ]

@@ -23,6 +23,7 @@ from tfmixprec.attribution import overflow_report
 from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.loss_scale import LOG_KEYS, format_scale
 from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.repair import repairs_of
 
 __all__ = ["LossScaleMonitor", "OverflowGuard"]
 
@@ -154,11 +155,22 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 f"{where} (0-based, skipped steps counted), loss scale "
                 f"{format_scale(start)} -> {format_scale(now['loss_scale'])}"
                 + (f"; gradients not finite in: {', '.join(layers)}" if layers else "")
+                + _repaired(self.model, before["step"], now["step"])
             )
             self.events.append(line)
             if self.verbose:
                 print(line)
         opt.check_min_scale()
+
+
+def _repaired(model: Any, start: int, end: int) -> str:
+    """What `PrecisionRepair` moved to float32 in steps [start, end), for the monitor's line:
+    a repaired run is not a failed one."""
+    made = [r for r in repairs_of(model) if start <= r.step < end]
+    return "".join(
+        f"; repaired at step {r.step}: {', '.join(repr(n) for n in r.layers)} now float32"
+        for r in made
+    )
 
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
