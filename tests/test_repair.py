@@ -9,6 +9,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from overflow_models import model as overflow_model
 from overflow_models import overflowing, two_branches
 from tensorflow.python.framework import ops as tf_ops
@@ -254,6 +255,13 @@ def test_tensorboard_and_the_audit_speak_of_the_repair(tmp_path):
     [written] = events.Tensors("mixed_precision/repairs")
     assert written.step == 4
     assert written.tensor_proto.string_val[0].decode() == REPAIR.to_markdown()
+    [moved] = events.Tensors("mixed_precision/repaired_layers")
+    assert (moved.step, tf.make_ndarray(moved.tensor_proto).item()) == (4, 2.0)
+    [layout] = events.Tensors("custom_scalars__config__")[-1:]
+    title = "Layers moved to float32 by PrecisionRepair (total)"
+    assert title.encode() in tf.make_ndarray(layout.tensor_proto).item()
+    charts = tfmixprec.dashboard_layout(repairs=True).category[0].chart
+    assert [chart.title for chart in charts][0] == title  # listed last first: shown last
     info = [f for f in tfmixprec.audit(repair_model).findings if f.code == "float32-on-purpose"]
     assert [f.message for f in info] == [
         "2 layers compute in float32 on purpose: 'big' (PrecisionRepair at step 4 "

@@ -44,6 +44,7 @@ TAGS = {
     "overflow_report": f"{PREFIX}/overflow_report",  # text
     "diagnosis": f"{PREFIX}/diagnosis",  # text
     "repairs": f"{PREFIX}/repairs",  # text, at each PrecisionRepair repair's step
+    "repaired_layers": f"{PREFIX}/repaired_layers",  # layers moved to float32, in all
 }
 LAYOUT_TITLE = "Mixed precision"
 LAYERS_TITLE = f"{LAYOUT_TITLE}: overflow steps per layer (total)"  # one chart a layer
@@ -70,6 +71,7 @@ def dashboard_layout(
     loss_scale: bool = True,
     gradient_range: bool = True,
     layers: Sequence[str] = (),
+    repairs: bool = False,
 ) -> layout_pb2.Layout:
     """The custom-scalars layout: loss next to loss scale, overflow events, gradient range.
 
@@ -95,6 +97,8 @@ def dashboard_layout(
         gradient_range: Bool. Whether a `GradientRangeMonitor` is driven: its two charts.
         layers: Sequence of layer names. A chart of `mixed_precision/layer_overflow_steps/<layer>`
             each, in this order.
+        repairs: Bool. Whether `PrecisionRepair` repaired the run: a chart "Layers moved to
+            float32 by PrecisionRepair (total)" last in "Mixed precision".
 
     Returns:
         A `tensorboard.plugins.custom_scalar.layout_pb2.Layout`.
@@ -121,6 +125,9 @@ def dashboard_layout(
                 TAGS["grad_subnormal_fraction"],
             )
         )
+    if repairs:
+        title = "Layers moved to float32 by PrecisionRepair (total)"
+        charts.append(_exact(title, TAGS["repaired_layers"]))
     categories = [layout_pb2.Category(title=LAYOUT_TITLE, chart=_shown_in_order(charts))]
     if layers:
         per_layer = [_exact(layer, f"{TAGS['layer_overflow_steps']}/{layer}") for layer in layers]
@@ -172,6 +179,7 @@ def _write_layout(board: TensorBoard, step: int, report: OverflowReport | None =
         loss_scale=board._reader.optimizer is not None,
         gradient_range=board.gradient_monitor is not None,
         layers=board._charted_layers,
+        repairs=bool(board._repairs_written),
     )
     with tensorboard_writer(board).as_default(), tf.summary.record_if(True):
         summary = custom_scalar_summary.pb(layout)
@@ -467,17 +475,27 @@ def _write_repairs(board: TensorBoard) -> None:
     repairs = repairs_of(board.model)
     if not _writes_summaries(board.model):
         return
-    for repair in repairs[board._repairs_written :]:
+    new = repairs[board._repairs_written :]
+    for done, repair in enumerate(new, start=board._repairs_written + 1):
         _write_text(board, TAGS["repairs"], repair.to_markdown(), repair.step)
+        moved = float(sum(len(r.layers) for r in repairs[:done]))
+        _write_text(board, TAGS["repaired_layers"], moved, repair.step)
+    charted = bool(board._repairs_written)
     board._repairs_written = len(repairs)
+    if new and not charted:
+        _write_layout(board, new[0].step)
 
 
-def _write_text(board: TensorBoard, tag: str, text: str, step: int) -> None:
-    """A text summary into the run's train directory, through the callback's own writer."""
+def _write_text(board: TensorBoard, tag: str, text: str | float, step: int) -> None:
+    """A text (or, for a number, a scalar) summary into the run's train directory, through the
+    callback's own writer (Keras's are closed when training ends)."""
     log_dir = os.path.join(board.log_dir, "train")
     if board._diagnosis_writer is None or board._diagnosis_writer[0] != log_dir:
         board._diagnosis_writer = (log_dir, tf.summary.create_file_writer(log_dir))
     writer = board._diagnosis_writer[1]
     with writer.as_default(), tf.summary.record_if(True):
-        tf.summary.text(tag, text, step=step)
+        if isinstance(text, str):
+            tf.summary.text(tag, text, step=step)
+        else:
+            tf.summary.scalar(tag, text, step=step)
     writer.flush()
