@@ -6,7 +6,8 @@ Three variants, same model, policy, data and batch:
 - `optimizer`: `keras.Model` + `tfmixprec.LossScaleOptimizer` (Keras's own train_step);
 - `full`: `tfmixprec.MixedPrecisionModel` (its train_step and optimizer, the state guard
   included: with `--batchnorm` the model's batch-norm statistics are put back on a skipped
-  step) + `LossScaleMonitor` + `tfmixprec.TensorBoard` at its default `update_freq` ("epoch").
+  step) + `LossScaleMonitor` + `tfmixprec.TensorBoard` at its default `update_freq` ("epoch"),
+  and with `--repair` a `PrecisionRepair` armed (its step keeps the batch of an overflow step).
 
 Runs alternate in one process (A, B, C, C, B, A, ...) so drift hits all alike; the figures are
 the medians of the paired ratios to `keras`.
@@ -20,6 +21,7 @@ only: the difference to `keras` is what tfmixprec adds per step.
 
     python benchmarks/overhead.py                       # mixed_bfloat16 (this CPU's policy)
     python benchmarks/overhead.py --batchnorm           # with state the guard puts back
+    python benchmarks/overhead.py --repair              # with PrecisionRepair armed
     python benchmarks/overhead.py --policy mixed_float16 --width 2048   # on a GPU
 """
 
@@ -91,6 +93,8 @@ def build(kind: str, args: argparse.Namespace, log_dir: str):
     callbacks = []
     if kind == "full":
         callbacks = [tfmixprec.LossScaleMonitor(), tfmixprec.TensorBoard(log_dir)]
+        if args.repair:  # armed: the step keeps overflow batches, the callback reads nothing
+            callbacks.append(tfmixprec.PrecisionRepair())
     return model, callbacks
 
 
@@ -110,6 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--jit-compile", action="store_true")
     parser.add_argument(
         "--batchnorm", action="store_true", help="a BatchNormalization after each Dense"
+    )
+    parser.add_argument(
+        "--repair", action="store_true", help="PrecisionRepair armed in the full stack"
     )
     args = parser.parse_args(argv)
 
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"policy={args.policy} MLP {args.depth}x{args.width} features={args.features} "
         f"batch={args.batch} steps/run={args.steps} repeats={args.repeats} "
-        f"jit_compile={args.jit_compile} batchnorm={args.batchnorm}"
+        f"jit_compile={args.jit_compile} batchnorm={args.batchnorm} repair={args.repair}"
     )
     for kind in VARIANTS:
         print(

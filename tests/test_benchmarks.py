@@ -39,8 +39,10 @@ def test_overhead_smoke():
         "8",
         "--policy",
         "float32",
+        "--repair",
     )
     lines = out.splitlines()
+    assert "repair=True" in out
     assert any(line.startswith("full ") and "host syncs per step" in line for line in lines)
     assert "full-stack median paired ratio:" in out
 
