@@ -61,6 +61,10 @@ from tfmixprec.policy import PolicyChange, compute_in_float32
 __all__ = ["CalibrationReport", "LayerCalibration", "calibrate"]
 
 MARGIN = 8.0  # initial_scale keeps the largest gradient times the scale 8x under 65504
+# Values in a float16 layer must stay 4x under 65504: activations grow as training goes on
+# (a residual stream that just passed 65504 in one block passes it in the block before a few
+# steps later), so a set chosen at the limit would need a repair again and again.
+HEADROOM = 4.0
 KERAS_START = LossScaleConfig.initial_scale  # 2^15, Keras's and tfmixprec's default start
 
 
@@ -78,6 +82,21 @@ class _Call:
     size: int
     bad_inputs: bool
     input_max: float
+    out_dtype: str  # the narrowest dtype of its outputs (a float16 layer may return float32)
+
+    @property
+    def risky(self) -> bool:
+        """Not finite, or within `HEADROOM` of its outputs' dtype's largest value."""
+        return bool(self.bad) or self.max_abs > _near(self.out_dtype)
+
+    @property
+    def risky_inputs(self) -> bool:
+        return self.bad_inputs or self.input_max > _near(self.dtype)
+
+
+def _near(dtype: str) -> float:
+    """The largest |x| a layer computing in `dtype` may hold, with `HEADROOM`."""
+    return DTYPE_MAX.get(dtype, math.inf) / HEADROOM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +107,8 @@ class _Run:
 
     @property
     def first_bad(self) -> int | None:
-        return next((i for i, call in enumerate(self.calls) if call.bad), None)
+        """The first call that is not finite or comes within `HEADROOM` of its range."""
+        return next((i for i, call in enumerate(self.calls) if call.risky), None)
 
     @property
     def grads_finite(self) -> bool:
@@ -121,7 +141,16 @@ def _call(layer: Any, args: tuple, result: Any) -> _Call:
     inputs = _floats(args)
     bad_inputs = any(not np.isfinite(a).all() for a in inputs)
     input_max = max((float(np.abs(a).max()) for a in inputs if a.size), default=0.0)
-    return _Call(layer, layer.compute_dtype, biggest, bad, past, size, bad_inputs, input_max)
+    dtypes = {_dtype_name(item) for item in keras.tree.flatten(result) if item is not None}
+    narrowest = min(dtypes, key=lambda name: DTYPE_MAX.get(name, math.inf), default="float32")
+    return _Call(
+        layer, layer.compute_dtype, biggest, bad, past, size, bad_inputs, input_max, narrowest
+    )
+
+
+def _dtype_name(value: Any) -> str:
+    dtype = getattr(value, "dtype", None)
+    return tf.as_dtype(dtype).name if dtype is not None else "float32"
 
 
 class Replayer:
@@ -236,6 +265,13 @@ def _limit(dtype: str) -> str:
     return f"{dtype}'s {DTYPE_MAX.get(dtype, math.inf):.6g}"
 
 
+def _past(value: float, dtype: str) -> str:
+    """How `value` stands against `dtype`'s range: past it, or within `HEADROOM` of it."""
+    if value > DTYPE_MAX.get(dtype, math.inf):
+        return f"past {_limit(dtype)}"
+    return f"within {HEADROOM:g}x of {_limit(dtype)}"
+
+
 def _forward_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) -> Any:
     bad = run.first_bad
     call, reference = run.calls[bad], replayer.in_float32(index)
@@ -245,23 +281,24 @@ def _forward_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) -
             "model diverge, not the precision (lower the learning rate, check the "
             "initialization)."
         )
-    largest, limit = reference.calls[bad].max_abs, DTYPE_MAX.get(call.dtype, math.inf)
+    largest, near = reference.calls[bad].max_abs, _near(call.dtype)
     received = reference.calls[bad].input_max  # its inputs, with every layer in float32
     if not any(layer is call.layer for layer in chosen):
-        if call.bad_inputs and received > limit:  # Keras casts a layer's inputs to its dtype
-            why = f"it receives values up to {received:.4g} and casts them to {call.dtype}"
+        if call.risky_inputs and received > near:  # Keras casts a layer's inputs to its dtype
+            why = f"it receives values up to {received:.4g} ({_past(received, call.dtype)})"
+            return [(call.layer, f"{why} and casts them to {call.dtype}")]
+        if not call.risky_inputs and largest > near:
+            why = f"its outputs reach {largest:.4g}, {_past(largest, call.dtype)}"
             return [(call.layer, why)]
-        if not call.bad_inputs and largest > limit:
-            return [(call.layer, f"its outputs reach {largest:.4g}, past {_limit(call.dtype)}")]
-        if not call.bad_inputs:
+        if not call.risky_inputs:
             return [(call.layer, f"a value inside it passes {_limit(call.dtype)}")]
     # Overflowed before it, or inside it though it computes in float32: in an operation
     # of a layer around it (or of itself, around its sublayers).
     around = _enclosing(replayer.model, call.layer)
-    for outer in ([call.layer] if not call.bad_inputs else []) + around:
+    for outer in ([call.layer] if not call.risky_inputs else []) + around:
         parts = [outer, *all_sublayers(outer)]
         trial = replayer.run(replayer.batches[index], 1.0, [*chosen, *parts])
-        if len(trial.calls) > bad and not trial.calls[bad].bad:
+        if len(trial.calls) > bad and not trial.calls[bad].risky:
             why = f"an operation inside {outer.name!r} passes {_limit(call.dtype)}"
             return [(part, why) for part in parts]
     return (
