@@ -155,3 +155,13 @@ def test_step_losses_needs_one_call_per_step():
     model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
     with pytest.raises(ValueError, match=r"steps_per_execution=1.*Received: batch 1 after 0"):
         model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[bench.StepLosses()])
+
+
+def test_repair_smoke():
+    out = _run("repair.py", "--quick", "--models", "gelu-regression")
+    assert "| gelu-regression | f16 keras | " in out and "| 8 of 8 | - | - |" in out
+    repaired = (
+        r"\| gelu-regression \| f16 repair \| [\d.]+ \| [\d.]+% \| 5 of 8 \| 1 \| `dense_0` \|"
+    )
+    assert re.search(repaired, out), out
+    assert "| 0 of 8 | 0 | `dense_0` (calibrate) |" in out

@@ -13,6 +13,8 @@ import tfmixprec
 from tfmixprec._layers import iter_layers
 from tfmixprec.calibration import Replayer, calibration_batches, layer_key
 
+_BIG = keras.initializers.Constant(10000.0)
+
 
 def _state(model):
     model.optimizer.build(model.trainable_variables)
@@ -204,3 +206,35 @@ def test_bad_arguments(kwargs, error, match):
     arguments = {"data": _data("flows"), **kwargs}
     with pytest.raises(error, match=match):
         tfmixprec.calibrate(_model("flows"), **arguments)
+
+
+def test_the_report_as_a_tensorboard_text(tmp_path):
+    import tensorflow as tf
+    from tensorboard.backend.event_processing import event_accumulator
+
+    report = tfmixprec.calibrate(_model("flows"), _data("flows"), steps=1)
+    report.write_summary(str(tmp_path))
+    events = event_accumulator.EventAccumulator(
+        str(tmp_path / "train"), size_guidance={"tensors": 0}
+    )
+    events.Reload()
+    [written] = events.Tensors("mixed_precision/calibration")
+    assert written.step == 0
+    assert tf.make_ndarray(written.tensor_proto).item().decode() == report.to_markdown()
+
+
+def test_batch_norm_statistics_and_dropout_seeds_stay():
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, name="big", kernel_initializer=_BIG)(inputs)
+        hidden = keras.layers.BatchNormalization(name="bn")(hidden)
+        hidden = keras.layers.Dropout(0.5, name="drop")(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(hidden))
+        model.compile(tfmixprec.LossScaleOptimizer("sgd"), "mse")
+    before = [v.numpy().tobytes() for v in model.variables]
+    policy = keras.config.dtype_policy().name
+    report = tfmixprec.calibrate(model, _data("norm"), steps=1)
+    assert report.float32_layers == ("big", "bn")  # bn casts its float32 input back
+    assert [v.numpy().tobytes() for v in model.variables] == before
+    assert keras.config.dtype_policy().name == policy

@@ -243,9 +243,7 @@ def test_update_freq_counts_steps_with_several_steps_per_execution():
     """Keras calls a callback once per execution (with its last step's index): 16 steps in
     executions of 4 are 16 steps, and update_freq=4 measures at each 4th."""
     model = _linear_model()
-    model.compile(
-        optimizer=tfmixprec.LossScaleOptimizer("sgd"), loss="mse", steps_per_execution=4
-    )
+    model.compile(optimizer=tfmixprec.LossScaleOptimizer("sgd"), loss="mse", steps_per_execution=4)
     monitor = GradientRangeMonitor((np.ones((1, 4)), np.ones((1, 1))), update_freq=4)
     calls = _counting(monitor)
     x = np.ones((16, 4), np.float32)

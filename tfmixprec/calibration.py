@@ -23,15 +23,19 @@ The set is found by replaying, not guessed from layer types (`float32_set`, whic
 4. Last, each layer of the set is tried without: one the batches stay finite without is
    dropped. Every layer left is needed: without it, some value overflows.
 
-Replays run in inference mode (dropout off, batch-norm statistics not updated) with the
-model's state put back after each: no weight, optimizer slot, statistic or loss scale
-changes.
+A value counts as overflowing from a quarter of its dtype's largest value on (`HEADROOM`).
+
+Replays run in training mode, as the step runs the model (batch normalization on the batch's
+own statistics: a fresh layer's moving statistics would pass its inputs through unchanged),
+and the model's state is put back after each (moving statistics, dropout seeds): no weight,
+optimizer slot, statistic or loss scale changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -154,7 +158,7 @@ def _dtype_name(value: Any) -> str:
 
 
 class Replayer:
-    """Replays `batches` of `model` with `loss_fn`: forward in inference mode and backward of
+    """Replays `batches` of `model` with `loss_fn`: forward in training mode and backward of
     the loss times a scale, with chosen layers (or all: `everything=True`) in float32."""
 
     def __init__(self, model: keras.Model, batches: Sequence[tuple], loss_fn: Callable) -> None:
@@ -168,7 +172,7 @@ class Replayer:
         model = self.model
         with policies_swapped(list(float32), "float32"), state_put_back(model):
             with watch_leaf_calls(model, record), tf.GradientTape() as tape:
-                y_pred = model(x, training=False)
+                y_pred = model(x, training=True)  # as the step runs it (batch statistics)
                 loss = loss_value(self.loss_fn, y, y_pred, sample_weight)
                 scaled = multiply(loss, scale)
             grads = tape.gradient(scaled, model.trainable_variables)
@@ -471,6 +475,20 @@ class CalibrationReport:
         """The report as plain Python values (JSON-ready: `inf`/`nan` as strings)."""
         return _jsonable(dataclasses.asdict(self))
 
+    def write_summary(self, log_dir: str, step: int = 0) -> None:
+        """Writes the report (`to_markdown()`) as a `mixed_precision/calibration` text into
+        `log_dir/train`, the run `tfmixprec.TensorBoard(log_dir)` writes: TensorBoard's Text
+        tab shows it next to the training that follows.
+
+        Args:
+            log_dir: String. The TensorBoard log directory.
+            step: Int. The step to show it at (0: before the first step).
+        """
+        writer = tf.summary.create_file_writer(os.path.join(log_dir, "train"))
+        with writer.as_default(), tf.summary.record_if(True):
+            tf.summary.text("mixed_precision/calibration", self.to_markdown(), step=step)
+        writer.close()
+
     def to_markdown(self) -> str:
         """The verdict and a markdown table of the layers (for TensorBoard and issues)."""
         rows = [
@@ -615,9 +633,10 @@ def calibrate(
     """Replays a few batches before the first step: the loss scale to start at, and the
     smallest set of layers that must compute in float32 so that no value overflows.
 
-    Runs each batch forward (inference mode) and backward outside training, in the model's
-    dtypes and in float32; changes no weight, optimizer slot, statistic or loss scale. See
-    the module's docstring for how the set is found; `report.apply(model)` makes the change.
+    Runs each batch forward (training mode, the state put back) and backward outside the
+    step, in the model's dtypes and in float32; changes no weight, optimizer slot, statistic
+    or loss scale. See the module's docstring for how the set is found and the 4x headroom
+    it keeps; `report.apply(model)` makes the change.
 
     Args:
         model: A built `keras.Model` (compiled, unless `loss_fn` is given).
