@@ -238,3 +238,35 @@ def test_batch_norm_statistics_and_dropout_seeds_stay():
     assert report.float32_layers == ("big", "bn")  # bn casts its float32 input back
     assert [v.numpy().tobytes() for v in model.variables] == before
     assert keras.config.dtype_policy().name == policy
+
+
+class _Block(keras.layers.Layer):
+    """`x + down(up(x))`: a residual add in the layer's own call, as Transformer blocks do."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(16, name="up", kernel_initializer=_BIG)
+        small = keras.initializers.Constant(1e-6)
+        self.down = keras.layers.Dense(8, name="down", kernel_initializer=small)
+
+    def call(self, x):
+        return x + self.down(self.up(x))
+
+
+def test_a_layer_whose_call_mixes_dtypes_joins_with_its_sublayers():
+    """`down` in float32 returns float32 into the block's `x + ...` with a float16 `x`, which
+    TensorFlow refuses: the block joins (its inputs then cast to float32)."""
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        model = keras.Model(
+            inputs, keras.layers.Dense(1, dtype="float32")(_Block(name="block")(inputs))
+        )
+        model.compile(tfmixprec.LossScaleOptimizer("sgd"), "mse")
+    report = tfmixprec.calibrate(model, _data("norm"), steps=1)
+    assert report.cause == "forward-overflow"
+    assert report.float32_layers == ("block/up", "block/down", "block")
+    why = dict(zip(report.float32_layers, report.reasons))
+    assert why["block"] == "'block' computes with 'down': its call mixes their dtypes"
+    report.apply(model)
+    assert np.isfinite(model.predict(_data("norm")[0], verbose=0)).all()

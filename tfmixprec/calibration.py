@@ -189,11 +189,24 @@ class Replayer:
         return self._float32[index][0]
 
     def finite_at(self, scale: float, float32: Sequence[Any]) -> bool:
-        """Whether every batch is finite forward and backward at `scale`."""
+        """Whether every batch is finite forward and backward at `scale` (False where the
+        model's call fails with `float32` in float32, see `runs_with`)."""
+        if not self.runs_with(float32):
+            return False
         return all(
             run.first_bad is None and run.grads_finite and math.isfinite(run.loss * scale)
             for run in self.all_runs(scale, float32)
         )
+
+    def runs_with(self, float32: Sequence[Any]) -> bool:
+        """Whether the model's call runs with `float32` in float32: a layer's call that adds
+        a sublayer's output to a tensor of its own (`x + residual` in a Transformer block)
+        fails when one is float32 and the other float16 (TensorFlow does not promote)."""
+        try:
+            self.run(self.batches[0], 1.0, float32)
+        except (tf.errors.OpError, TypeError, ValueError):
+            return False
+        return True
 
 
 # ------------------------------------------------------------------ the float32 set
@@ -234,10 +247,31 @@ def float32_set(replayer: Replayer) -> Float32Set:
         kind, fix = found
         if isinstance(fix, str):
             return Float32Set(tuple(chosen.values()), "not-precision", fix)
+        fix = _runnable(replayer, [layer for layer, _ in chosen.values()], fix)
+        if isinstance(fix, str):
+            return Float32Set(tuple(chosen.values()), "not-precision", fix)
         cause = kind if cause == "none" else cause
         for layer, why in fix:
             chosen.setdefault(id(layer), (layer, why))
     return Float32Set(tuple(_prune(replayer, list(chosen.values()))), cause, None)
+
+
+def _runnable(replayer: Replayer, chosen: list[Any], fix: list[tuple[Any, str]]) -> Any:
+    """`fix`, or, where the model's call fails with it (see `Replayer.runs_with`), `fix` and
+    the innermost layer around it that makes the call run, with its sublayers, in float32."""
+    layers = [*chosen, *(layer for layer, _ in fix)]
+    if replayer.runs_with(layers):
+        return fix
+    first = fix[0][0]
+    for outer in _enclosing(replayer.model, first):
+        parts = [outer, *all_sublayers(outer)]
+        if replayer.runs_with([*layers, *parts]):
+            why = f"{outer.name!r} computes with {first.name!r}: its call mixes their dtypes"
+            return [*fix, *((part, why) for part in parts)]
+    return (
+        f"the model's call fails with {first.name!r} in float32 (an operation mixes float16 "
+        "and float32 tensors): compute that part in float32 by hand."
+    )
 
 
 def bad_data(batch: tuple) -> str | None:

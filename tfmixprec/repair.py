@@ -202,7 +202,18 @@ class PrecisionRepair(keras.callbacks.Callback):
 
     def _judge(self, step: int, batches: list[tuple]) -> None:
         batches = [tuple(batch) + (None,) * (3 - len(batch)) for batch in batches]
-        found = _agreed(self.model, float32_set(Replayer(self.model, batches, self._loss_fn)))
+        try:
+            found = float32_set(Replayer(self.model, batches, self._loss_fn))
+        except Exception as err:  # noqa: BLE001 - a replay never stops training
+            warnings.warn(
+                f"PrecisionRepair could not replay overflow step {step}, so it repairs nothing "
+                f"there (training goes on): {type(err).__name__}: {str(err)[:300]} "
+                f"{docs_page('guides/repair')}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            found = Float32Set((), "not-precision", f"the replay failed: {type(err).__name__}")
+        found = _agreed(self.model, found)
         if found.cause == "none":
             return  # the scaled gradients overflowed: the dynamic scale absorbs it
         layers = [layer for layer, _ in found.layers]
