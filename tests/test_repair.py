@@ -106,8 +106,8 @@ def test_a_kerashub_model_compiled_the_ordinary_way():
         zoo = tfmixprec.zoo.build("gpt2")
         model = zoo.model
         model.compile(keras.optimizers.SGD(1e-4), zoo.loss)
-    name = "transformer_layer_0/feedforward_intermediate_dense"
-    layer = next(layer for layer in iter_layers(model) if layer_key(layer) == name)
+    name = "gpt2_backbone/transformer_layer_0/feedforward_intermediate_dense"
+    layer = next(layer for layer in iter_layers(model) if layer_key(model, layer) == name)
     layer.kernel.assign(layer.kernel * 3000.0)
     x, y, weights = zoo.data(8)
     repair = tfmixprec.PrecisionRepair(verbose=0)

@@ -392,10 +392,31 @@ def _prune(replayer: Replayer, chosen: list[tuple[Any, str]]) -> list[tuple[Any,
 
 
 # ------------------------------------------------------------------ the report
-def layer_key(layer: Any) -> str:
-    """How a report names a layer: its path in the model (`"decoder_0/ffn/dense"`; nested
-    layers share names across blocks), else its name."""
-    return getattr(layer, "path", None) or layer.name
+def layer_keys(model: keras.Model) -> dict[int, str]:
+    """How reports name each layer of `model` (`id(layer) -> name`): the names of the layers
+    it is nested in, then its own (`"gpt2_backbone/transformer_layer_0/feedforward_dropout"`;
+    a layer of the model itself: its name). KerasHub's blocks give their sublayers the same
+    names in every block, and Keras's own `path` leaves out the parent of a layer made in its
+    parent's `__init__`. Names left equal get `#2`, `#3`, ... in the model's order."""
+    inner: dict[int, tuple[int, Any]] = {}  # id -> (descendants, innermost parent)
+    for outer in iter_layers(model):
+        parts = all_sublayers(outer)
+        for part in parts:
+            if id(part) not in inner or len(parts) < inner[id(part)][0]:
+                inner[id(part)] = (len(parts), outer)
+    keys: dict[int, str] = {id(model): model.name}
+    seen: dict[str, int] = {}
+    for layer in iter_layers(model):  # a parent comes before its parts
+        parent = inner.get(id(layer), (0, None))[1]
+        key = layer.name if parent is None else f"{keys[id(parent)]}/{layer.name}"
+        seen[key] = seen.get(key, 0) + 1
+        keys[id(layer)] = key if seen[key] == 1 else f"{key}#{seen[key]}"
+    return keys
+
+
+def layer_key(model: keras.Model, layer: Any) -> str:
+    """The name reports give `layer` of `model` (see `layer_keys`)."""
+    return layer_keys(model)[id(layer)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,7 +517,8 @@ class CalibrationReport:
         return changes
 
     def _layers_of(self, model: keras.Model) -> list[Any]:
-        found = {layer_key(layer): layer for layer in [model, *iter_layers(model)]}
+        keys = layer_keys(model)
+        found = {keys[id(layer)]: layer for layer in [model, *iter_layers(model)]}
         missing = [path for path in self.float32_layers if path not in found]
         if missing:
             raise ValueError(
@@ -718,7 +740,7 @@ def calibrate(
         keras_skips = _skips(replayer, layers, KERAS_START)
     return CalibrationReport(
         initial_scale=scale,
-        float32_layers=tuple(layer_key(layer) for layer in layers),
+        float32_layers=tuple(layer_keys(model)[id(layer)] for layer in layers),
         reasons=tuple(why for _, why in found.layers),
         cause=found.cause,
         problem=found.problem,
@@ -794,6 +816,7 @@ def _layer_rows(replayer: Replayer, reference: list[_Run], scale: float) -> list
             row[4] = max(row[4], call32.max_abs if not call32.bad else math.inf)
             row[5], row[6] = row[5] + call32.past + call32.bad, row[6] + call32.size
     grads = _grads_by_layer(model, reference)
+    keys = layer_keys(model)
     rows = []
     for layer, dtype, biggest, bad, biggest32, past, size in outputs.values():
         mine = grads.get(id(layer), [])
@@ -802,7 +825,7 @@ def _layer_rows(replayer: Replayer, reference: list[_Run], scale: float) -> list
         share = past / size if size else 0.0
         rows.append(
             LayerCalibration(
-                layer_key(layer), dtype, biggest, bad, biggest32, share, largest, underflow
+                keys[id(layer)], dtype, biggest, bad, biggest32, share, largest, underflow
             )
         )
     return rows

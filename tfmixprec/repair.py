@@ -35,7 +35,7 @@ from tfmixprec._fit_reader import FitReader
 from tfmixprec._layers import compiled_loss, iter_layers, mark_float32
 from tfmixprec._text import docs_page
 from tfmixprec._validate import check_int_at_least_one
-from tfmixprec.calibration import Float32Set, Replayer, float32_set, layer_key, warn_not_recorded
+from tfmixprec.calibration import Float32Set, Replayer, float32_set, layer_keys, warn_not_recorded
 from tfmixprec.diagnosis import keep_for_callbacks, stop_keeping_for_callbacks
 from tfmixprec.policy import compute_in_float32
 
@@ -217,8 +217,9 @@ class PrecisionRepair(keras.callbacks.Callback):
         if found.cause == "none":
             return  # the scaled gradients overflowed: the dynamic scale absorbs it
         layers = [layer for layer, _ in found.layers]
-        message = found.problem or f"{layer_key(layers[0])!r}: {found.layers[0][1]}"
-        judgment = Repair(step, tuple(layer_key(layer) for layer in layers), found.cause, message)
+        keys = layer_keys(self.model)
+        message = found.problem or f"{keys[id(layers[0])]!r}: {found.layers[0][1]}"
+        judgment = Repair(step, tuple(keys[id(layer)] for layer in layers), found.cause, message)
         self.judgments.append(judgment)
         if judgment.repaired:
             if not compute_in_float32(self.model, layers):
