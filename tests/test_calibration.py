@@ -1,6 +1,7 @@
 """calibrate: the smallest float32 set on models built to show each case, the starting scale,
 apply, and a replay that changes nothing."""
 
+import dataclasses
 import json
 
 import keras
@@ -201,7 +202,13 @@ def test_a_dataset_and_a_kerashub_model():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"data": [1, 2, 3, 4]}, TypeError, "data must be a tf.data.Dataset"),
+        ({"data": "x.npy"}, TypeError, "data must be a tf.data.Dataset"),
+        ({"data": [1, 2, 3, 4]}, ValueError, "needs the labels. Received: a list of 4 items"),
+        (
+            {"data": (np.zeros((4, 8)), np.zeros((3, 1)))},
+            ValueError,
+            r"rows \(x, y and sample_weight, as fit takes\)\. Received: arrays of \[3, 4\] rows",
+        ),
         ({"data": (np.zeros((4, 8)), None)}, ValueError, "without labels"),
         ({"steps": 0}, ValueError, "steps"),
         ({"batch_size": 2.5}, ValueError, "batch_size"),
@@ -275,3 +282,67 @@ def test_a_layer_whose_call_mixes_dtypes_joins_with_its_sublayers():
     assert why["block"] == "'block' computes with 'down': its call mixes their dtypes"
     report.apply(model)
     assert np.isfinite(model.predict(_data("norm")[0], verbose=0)).all()
+
+
+class _Times(keras.Model):
+    """A subclassed model whose call multiplies by 30000 between layers (keras.ops)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(16, name="dense")
+        self.norm = keras.layers.LayerNormalization(name="norm")
+        self.head = keras.layers.Dense(1, name="head", dtype="float32")
+
+    def call(self, x):
+        return self.head(self.norm(self.dense(x) * 30000.0))
+
+
+def test_an_operation_outside_the_layers_moves_nothing():
+    with tfmixprec.policy_scope("mixed_float16"):
+        model = _Times(name="times")
+        model.build((None, 8))
+        model.compile(tfmixprec.LossScaleOptimizer("sgd"), "mse")
+    report = tfmixprec.calibrate(model, _data("norm"), steps=1)
+    assert (report.cause, report.float32_layers) == ("not-precision", ())
+    assert report.problem == (
+        "an operation outside any layer (keras.ops in a model's call, say) passes float16's "
+        "65504 before layer 'norm': cast it to float32 in that call."
+    )
+    assert [c.layer for c in report.apply(model)] == ["loss_scale"]
+    assert all(layer.compute_dtype == "float16" for layer in (model.dense, model.norm))
+
+
+def test_several_outputs_with_one_compiled_loss():
+    """`compile(loss="mse")` on two outputs: the loss of each, summed, as Keras does."""
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = {"a": keras.Input((8,), name="a"), "b": keras.Input((8,), name="b")}
+        hidden = keras.layers.Dense(16, name="big", kernel_initializer=_BIG)(inputs["a"])
+        hidden = keras.layers.LayerNormalization(name="norm")(hidden)
+        hidden = keras.layers.Concatenate(name="join")([hidden, inputs["b"]])
+        first = keras.layers.Dense(1, name="first", dtype="float32")(hidden)
+        second = keras.layers.Dense(3, name="second", dtype="float32")(hidden)
+        model = keras.Model(inputs, [first, second])
+        model.compile(tfmixprec.LossScaleOptimizer("sgd"), "mse")
+    x = {"a": _data("norm")[0], "b": _data("norm")[0]}
+    y = [np.zeros((32, 1), "float32"), np.zeros((32, 3), "float32")]
+    report = tfmixprec.calibrate(model, (x, y), steps=1)
+    assert (report.cause, report.float32_layers) == ("forward-overflow", ("big",))
+
+
+def test_the_scale_stays_within_the_optimizer_bounds():
+    optimizer = tfmixprec.LossScaleOptimizer("sgd", initial_scale=2**10, max_scale=2**12)
+    model = _model("flows", optimizer=optimizer)
+    report = tfmixprec.calibrate(model, _data("flows"), steps=1)
+    assert report.initial_scale <= 2**12
+    report.apply(model)
+    assert float(model.optimizer.loss_scale) == report.initial_scale
+    other = _model("flows")  # a report of another optimizer's bounds: refused, nothing changed
+    report = tfmixprec.calibrate(other, _data("flows"), steps=1)
+    wide = dataclasses.replace(report, initial_scale=2.0**20)
+    bounded = tfmixprec.LossScaleOptimizer("sgd", initial_scale=2**10, max_scale=2**12)
+    target = _model("flows", optimizer=bounded)
+    before = _state(target)
+    with pytest.raises(ValueError, match=r"outside the optimizer's \[min_scale, max_scale\]"):
+        wide.apply(target)
+    assert _state(target) == before

@@ -129,7 +129,15 @@ def compiled_loss(model: Any, who: str) -> Callable[..., Any]:
 def loss_value(loss_fn: Callable[..., Any], y: Any, y_pred: Any, sample_weight: Any) -> Any:
     """The scalar float32 loss, as Keras reduces it ("sum_over_batch_size"): a
     `keras.losses.Loss` weighs the samples itself; a plain function (`"mse"` gives one) returns
-    per-sample losses, weighted here."""
+    per-sample losses, weighted here. A model with several outputs and one loss: the loss of
+    each output, summed (as Keras's `compile(loss="mse")` does for them)."""
+    outputs, labels = keras.tree.flatten(y_pred), keras.tree.flatten(y)
+    if len(outputs) > 1 and len(labels) == len(outputs):
+        if isinstance(y_pred, dict) and isinstance(y, dict):  # matched by key, as Keras does
+            labels = [y[key] for key in sorted(y_pred)]
+            outputs = [y_pred[key] for key in sorted(y_pred)]
+        parts = [loss_value(loss_fn, t, p, sample_weight) for t, p in zip(labels, outputs)]
+        return tf.add_n(parts)
     if isinstance(loss_fn, keras.losses.Loss) and sample_weight is not None:
         return tf.cast(loss_fn(y, y_pred, sample_weight), tf.float32)
     values = tf.cast(loss_fn(y, y_pred), tf.float32)

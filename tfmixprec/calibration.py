@@ -163,6 +163,8 @@ class Replayer:
 
     def __init__(self, model: keras.Model, batches: Sequence[tuple], loss_fn: Callable) -> None:
         self.model, self.batches, self.loss_fn = model, list(batches), loss_fn
+        # Each layer's own compute dtype (a replay swaps some to float32), for the messages.
+        self.dtypes = {id(layer): layer.compute_dtype for layer in [model, *iter_layers(model)]}
         self._float32: dict[int, tuple[_Run, ...]] = {}
 
     def run(self, batch: tuple, scale: float, float32: Sequence[Any] = ()) -> _Run:
@@ -217,10 +219,11 @@ class Float32Set:
 
     Attributes:
         layers: Tuple of `(layer, why)`, in the order they were found.
-        cause: String. `"none"` (nothing overflows), `"forward-overflow"` or
-            `"backward-overflow"` (the first overflow the set fixes), `"bad-data"` (NaN/Inf
-            in the batch), or `"not-precision"` (not finite even in float32, or an operation
-            outside any layer).
+        cause: String. `"none"` (nothing overflows), `"forward-overflow"`,
+            `"near-overflow"` (values within `HEADROOM` of the range, none past it) or
+            `"backward-overflow"` (the first the set fixes), `"bad-data"` (NaN/Inf in the
+            batch), or `"not-precision"` (not finite even in float32, or an operation outside
+            any layer; `layers` is then empty: nothing is moved).
         problem: String or None. What the set cannot fix, in a sentence.
     """
 
@@ -245,11 +248,11 @@ def float32_set(replayer: Replayer) -> Float32Set:
         if found is None:
             break
         kind, fix = found
-        if isinstance(fix, str):
-            return Float32Set(tuple(chosen.values()), "not-precision", fix)
+        if isinstance(fix, str):  # nothing is moved: the layers found so far do not fix it
+            return Float32Set((), "not-precision", fix)
         fix = _runnable(replayer, [layer for layer, _ in chosen.values()], fix)
         if isinstance(fix, str):
-            return Float32Set(tuple(chosen.values()), "not-precision", fix)
+            return Float32Set((), "not-precision", fix)
         cause = kind if cause == "none" else cause
         for layer, why in fix:
             chosen.setdefault(id(layer), (layer, why))
@@ -293,7 +296,9 @@ def _next_fix(replayer: Replayer, chosen: list[Any]) -> tuple[str, Any] | None:
     for index, batch in enumerate(replayer.batches):
         run = replayer.run(batch, 1.0, chosen)
         if run.first_bad is not None:
-            return "forward-overflow", _forward_fix(replayer, index, run, chosen)
+            overflows = bool(run.calls[run.first_bad].bad)  # else within the headroom only
+            kind = "forward-overflow" if overflows else "near-overflow"
+            return kind, _forward_fix(replayer, index, run, chosen)
         if not run.grads_finite:
             return "backward-overflow", _backward_fix(replayer, index, run, chosen)
     return None
@@ -319,6 +324,8 @@ def _forward_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) -
             "model diverge, not the precision (lower the learning rate, check the "
             "initialization)."
         )
+    dtype = replayer.dtypes.get(id(call.layer), call.dtype)  # as the model has it
+    call = dataclasses.replace(call, dtype=dtype)
     largest, near = reference.calls[bad].max_abs, _near(call.dtype)
     received = reference.calls[bad].input_max  # its inputs, with every layer in float32
     if not any(layer is call.layer for layer in chosen):
@@ -456,12 +463,14 @@ class CalibrationReport:
             the scale `MARGIN` (8) times under 65504 (the mixed-precision paper's rule), and
             verified finite on the batches with `float32_layers` applied. 1 for a model
             without a float16 layer (bfloat16 and float32 need no loss scale).
-        float32_layers: Tuple of strings. The paths of the layers that must compute in
-            float32 (`reasons` says why, one each). Empty when nothing overflows.
+        float32_layers: Tuple of strings. The layers that must compute in float32, named by
+            the layers they are nested in (`reasons` says why, one each). Empty when nothing
+            overflows or comes within the 4x headroom (`HEADROOM`).
         reasons: Tuple of strings. Why each of `float32_layers` is there.
         cause: String. The first overflow found (`"none"`, `"forward-overflow"`,
-            `"backward-overflow"`), or what no float32 layer fixes (`"bad-data"`,
-            `"not-precision"`, explained by `problem`).
+            `"near-overflow"`: within the 4x headroom only, `"backward-overflow"`), or what no
+            float32 layer fixes (`"bad-data"`, `"not-precision"`, explained by `problem`;
+            `float32_layers` is then empty).
         problem: String or None. What neither the layers nor the scale can fix.
         gradient_max: Float. The largest |gradient| over the batches (float32, unscaled) of a
             layer that computes in float16 once `float32_layers` compute in float32.
@@ -508,12 +517,12 @@ class CalibrationReport:
             for (path, why), layer in zip(zip(self.float32_layers, self.reasons), layers)
             if layer.compute_dtype != "float32"
         ]
-        if changes and not compute_in_float32(model, layers):
-            warn_not_recorded(model, "calibrate", [change.layer for change in changes])
-        why = {c.layer: f"calibrate: {c.why}" for c in changes}
-        mark_float32(model, why)
+        recorded = compute_in_float32(model, layers) if changes else True
+        mark_float32(model, {c.layer: f"calibrate: {c.why}" for c in changes})
         if restart is not None:
             changes.append(restart())
+        if not recorded:  # last: a warning turned error leaves nothing half-done
+            warn_not_recorded(model, "calibrate", self.float32_layers)
         return changes
 
     def _layers_of(self, model: keras.Model) -> list[Any]:
@@ -610,6 +619,16 @@ def _scale_setter(model: keras.Model, scale: float) -> Callable[[], PolicyChange
             f"{model.name!r} has taken {steps} steps. Pass set_scale=False to change the "
             "layers only."
         )
+    config = getattr(optimizer, "loss_scale_config", None)
+    if config is not None and config.dynamic:
+        low, high = config.min_scale, config.max_scale
+        if not low <= scale <= high:
+            raise ValueError(
+                f"apply would start the loss scale at {format_scale(scale)}, outside the "
+                f"optimizer's [min_scale, max_scale] = [{low:g}, {high:g}]: calibrate the "
+                "model with this optimizer (its bounds are read then), or pass "
+                "set_scale=False."
+            )
     old = _current_scale(optimizer)
 
     def change() -> PolicyChange:
@@ -658,13 +677,24 @@ def calibration_batches(data: Any, steps: int, batch_size: int) -> list[tuple]:
         batches = [keras.utils.unpack_x_y_sample_weight(item) for item in data.take(steps)]
     elif isinstance(data, (tuple, list)) and len(data) in (2, 3):
         parts = (*data, None)[:3]  # x may be a dict or list of arrays, as fit takes
-        rows = len(keras.tree.flatten(parts[0])[0])
+        lengths = [len(a) for p in parts if p is not None for a in keras.tree.flatten(p)]
+        if len(set(lengths)) > 1:
+            raise ValueError(
+                "data's arrays must have the same number of rows (x, y and sample_weight, as "
+                f"fit takes). Received: arrays of {sorted(set(lengths))} rows"
+            )
+        rows = lengths[0]
 
         def rows_of(start: int) -> tuple:
             cut = lambda a: np.asarray(a)[start : start + batch_size]  # noqa: E731
             return tuple(None if p is None else keras.tree.map_structure(cut, p) for p in parts)
 
         batches = [rows_of(start) for start in range(0, min(rows, steps * batch_size), batch_size)]
+    elif isinstance(data, (tuple, list)):
+        raise ValueError(
+            "data must be (x, y) or (x, y, sample_weight): calibrate replays the loss, so it "
+            f"needs the labels. Received: a {type(data).__name__} of {len(data)} items"
+        )
     else:
         raise TypeError(
             "data must be a tf.data.Dataset of batches or arrays (x, y) / (x, y, "
@@ -735,7 +765,7 @@ def calibrate(
     if found.cause == "bad-data" or not _computes_in_float16(model):
         scale, skips, keras_skips = 1.0, 0, 0
     else:
-        scale = _verified_scale(replayer, layers, _paper_scale(gradient_max))
+        scale = starting_scale(replayer, layers, gradient_max)
         skips = _skips(replayer, layers, scale)
         keras_skips = _skips(replayer, layers, KERAS_START)
     return CalibrationReport(
@@ -780,10 +810,33 @@ def _paper_scale(gradient_max: float) -> float:
     return float(2.0 ** min(max(exponent, 0), 24))
 
 
-def _verified_scale(replayer: Replayer, layers: list[Any], scale: float) -> float:
-    """`scale`, halved until every batch is finite at it (1 at the least)."""
-    while scale > 1.0 and not replayer.finite_at(scale, layers):
-        scale /= 2.0
+def starting_scale(
+    replayer: Replayer, layers: list[Any], gradient_max: float | None = None
+) -> float:
+    """The scale to start at with `layers` in float32: the paper's rule with `MARGIN` on the
+    largest gradient of a float16 layer (from the replayer's float32 replays unless given),
+    within the optimizer's bounds, halved until the batches are finite at it."""
+    model = replayer.model
+    if gradient_max is None:
+        runs = [replayer.in_float32(i) for i in range(len(replayer.batches))]
+        gradient_max = _float16_gradient_max(model, runs, layers)
+    low, high = _bounds(model)
+    start = min(max(_paper_scale(gradient_max), low), high)
+    return _verified_scale(replayer, layers, start, low)
+
+
+def _bounds(model: keras.Model) -> tuple[float, float]:
+    """The [min_scale, max_scale] of `model`'s tfmixprec optimizer (tfmixprec's defaults for
+    any other)."""
+    config = getattr(getattr(model, "optimizer", None), "loss_scale_config", None)
+    config = config if config is not None and config.dynamic else LossScaleConfig()
+    return config.min_scale, config.max_scale
+
+
+def _verified_scale(replayer: Replayer, layers: list[Any], scale: float, low: float = 1.0) -> float:
+    """`scale`, halved until every batch is finite at it (`low` at the least)."""
+    while scale > low and not replayer.finite_at(scale, layers):
+        scale = max(scale / 2.0, low)
     return scale
 
 

@@ -594,8 +594,8 @@ def cannot_keep_batches(model: Any, replicas_ok: bool = False) -> str | None:
     if getattr(model, "jit_compile", False):
         return (
             "keeping the batch of an overflow step copies it to the host inside the step, "
-            "which XLA cannot compile. Compile with jit_compile=False to diagnose overflows "
-            f"automatically. Received: jit_compile={model.jit_compile!r}"
+            "which XLA cannot compile. Compile with jit_compile=False for it (Keras's default "
+            f"'auto' compiles with XLA on a GPU). Received: jit_compile={model.jit_compile!r}"
         )
     replicas = model.distribute_strategy.num_replicas_in_sync
     if replicas > 1 and not replicas_ok:
@@ -646,7 +646,13 @@ def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
 
 
 def keep_for_callbacks(
-    model: Any, limit: int, who: str, fit: Any = None, latest: bool = False
+    model: Any,
+    limit: int,
+    who: str,
+    fit: Any = None,
+    latest: bool = False,
+    what: str = "diagnose=",
+    page: str = "guides/why-overflow",
 ) -> OverflowBatches | None:
     """For the callbacks' `diagnose=`: the batches kept already (the user's, or another
     callback's in this `fit`), else a keeper for this `fit`; None, with a warning naming
@@ -668,8 +674,8 @@ def keep_for_callbacks(
     if reason is not None:
         if current_keeper(model) is not None:  # an earlier fit's: it keeps no more
             set_keeper(model, None)
-        link = docs_page("guides/why-overflow")
-        warnings.warn(f"{who}: diagnose= is off for this fit: {reason} {link}", RuntimeWarning, 3)
+        link = docs_page(page)
+        warnings.warn(f"{who}: {what} is off for this fit: {reason} {link}", RuntimeWarning, 3)
         return None
     keeper = OverflowBatches(limit, "callbacks")
     keeper.fit = fit

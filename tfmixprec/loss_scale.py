@@ -409,6 +409,17 @@ class LossScale(tf.Module):
         self.config = dataclasses.replace(self.config, initial_scale=scale)
         self.scale_variable.assign(self.config.initial_scale)
 
+    def restart_at(self, scale: float) -> None:
+        """After a repair (`PrecisionRepair`), between steps: the scale at `scale` (within the
+        bounds), and the counts of growth, hysteresis and overflows at `min_scale` from the
+        start: the overflows the repaired layers caused are not the scale's to answer for."""
+        low, high = self.config.min_scale, self.config.max_scale
+        self.scale_variable.assign(min(max(float(scale), low), high))
+        self.good_steps.assign(0)
+        self.hysteresis_tracker.assign(self.config.hysteresis)
+        self.min_scale_overflows.assign(0)
+        self.min_scale_overflow_iteration.assign(-1)
+
     # ------------------------------------------------------------ the step
     def scale(self, loss: Any) -> tf.Tensor:
         """`loss * scale`, computed in float32 (float64 stays float64). Starts a step: the

@@ -349,6 +349,13 @@ class _LossScaleUpkeep:
         self.loss_scale_config = self._loss_scale.config
         self.initial_scale = self.loss_scale_config.initial_scale  # Keras's attribute
 
+    def restart_at(self, scale: float) -> None:
+        """After `PrecisionRepair` moved layers to float32, between steps: the scale at `scale`
+        (clipped to the bounds) and the growth and `min_scale` counts from the start (so the
+        end of `fit` does not report an overflow at `min_scale` the repair fixed)."""
+        self._loss_scale.restart_at(scale)
+        self._min_scale_reported = False
+
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
         """Called by Keras at the end of `fit`; also reports a `min_scale` overflow and a
         gradient accumulation window the `fit` left partly summed."""

@@ -35,13 +35,21 @@ from tfmixprec._fit_reader import FitReader
 from tfmixprec._layers import compiled_loss, iter_layers, mark_float32
 from tfmixprec._text import docs_page
 from tfmixprec._validate import check_int_at_least_one
-from tfmixprec.calibration import Float32Set, Replayer, float32_set, layer_keys, warn_not_recorded
+from tfmixprec.calibration import (
+    Float32Set,
+    Replayer,
+    float32_set,
+    layer_keys,
+    starting_scale,
+    warn_not_recorded,
+)
 from tfmixprec.diagnosis import keep_for_callbacks, stop_keeping_for_callbacks
+from tfmixprec.loss_scale import format_scale
 from tfmixprec.policy import compute_in_float32
 
 __all__ = ["PrecisionRepair", "Repair"]
 
-_CAUSES = ("bad-data", "not-precision", "forward-overflow", "backward-overflow")
+_CAUSES = ("bad-data", "not-precision", "forward-overflow", "near-overflow", "backward-overflow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +62,16 @@ class Repair:
         cause: String. `"forward-overflow"` or `"backward-overflow"` (repaired),
             `"bad-data"` or `"not-precision"` (not repaired).
         message: String. What was found, in a sentence.
+        loss_scale: Float. For a repair, the scale training goes on at: the largest the
+            replay verifies finite with the layers moved (as `calibrate`'s `initial_scale`);
+            the overflows before the repair had lowered it, for a cause now gone. 0: none.
     """
 
     step: int
     layers: tuple[str, ...]
     cause: str
     message: str
+    loss_scale: float = 0.0
 
     @property
     def repaired(self) -> bool:
@@ -74,7 +86,10 @@ class Repair:
         if not self.repaired:
             return f"not repaired ({self.cause}): {self.message}"
         names = ", ".join(repr(layer) for layer in self.layers)
-        return f"{names} now compute in float32 ({self.cause}: {self.message})"
+        return (
+            f"{names} now compute in float32 ({self.cause}: {self.message}); the loss scale "
+            f"goes on from {format_scale(self.loss_scale)}"
+        )
 
     def __str__(self) -> str:
         return f"PrecisionRepair: step {self.step}: {self.line()}"
@@ -164,7 +179,9 @@ class PrecisionRepair(keras.callbacks.Callback):
             warnings.warn(f"{err} {docs_page('guides/repair')}", RuntimeWarning, stacklevel=2)
             return
         fit = self.params  # one dict per fit, shared by its callbacks
-        self._keeper = keep_for_callbacks(self.model, 1, "PrecisionRepair", fit, latest=True)
+        self._keeper = keep_for_callbacks(
+            self.model, 1, "PrecisionRepair", fit, True, "repair", "guides/repair"
+        )
         self._seen = self._keeper.seen if self._keeper is not None else 0
 
     def on_train_end(self, logs: dict | None = None) -> None:
@@ -202,35 +219,61 @@ class PrecisionRepair(keras.callbacks.Callback):
 
     def _judge(self, step: int, batches: list[tuple]) -> None:
         batches = [tuple(batch) + (None,) * (3 - len(batch)) for batch in batches]
-        try:
-            found = float32_set(Replayer(self.model, batches, self._loss_fn))
-        except Exception as err:  # noqa: BLE001 - a replay never stops training
-            warnings.warn(
-                f"PrecisionRepair could not replay overflow step {step}, so it repairs nothing "
-                f"there (training goes on): {type(err).__name__}: {str(err)[:300]} "
-                f"{docs_page('guides/repair')}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            found = Float32Set((), "not-precision", f"the replay failed: {type(err).__name__}")
-        found = _agreed(self.model, found)
+        replayer = Replayer(self.model, batches, self._loss_fn)
+        found = _agreed(self.model, _replayed(replayer, step))
+        layers = [layer for layer, _ in found.layers]
+        # The scale to go on at, with the agreed layers, on every worker's batches: the least.
+        scale = _least(self.model, _scale_with(replayer, layers, step) if layers else 0.0)
         if found.cause == "none":
             return  # the scaled gradients overflowed: the dynamic scale absorbs it
-        layers = [layer for layer, _ in found.layers]
         keys = layer_keys(self.model)
         message = found.problem or f"{keys[id(layers[0])]!r}: {found.layers[0][1]}"
-        judgment = Repair(step, tuple(keys[id(layer)] for layer in layers), found.cause, message)
+        names = tuple(keys[id(layer)] for layer in layers)
+        judgment = Repair(step, names, found.cause, message, scale if layers else 0.0)
         self.judgments.append(judgment)
         if judgment.repaired:
-            if not compute_in_float32(self.model, layers):
-                warn_not_recorded(self.model, "PrecisionRepair", judgment.layers)
+            recorded = compute_in_float32(self.model, layers)
             reason = f"PrecisionRepair at step {step} ({judgment.cause})"
             mark_float32(self.model, {layer: reason for layer in judgment.layers})
+            if scale > 0:
+                self._reader.optimizer.restart_at(scale)
             self.model.make_train_function(force=True)
             self.repairs.append(judgment)
             _record(self.model, judgment)
+            if not recorded:  # last: a warning turned error leaves nothing half-done
+                warn_not_recorded(self.model, "PrecisionRepair", judgment.layers)
         if self.verbose:
             print(judgment)
+
+
+def _replayed(replayer: Replayer, step: int) -> Float32Set:
+    """This process's verdict on the kept batches; a replay that fails warns and repairs
+    nothing (it never stops training)."""
+    try:
+        return float32_set(replayer)
+    except Exception as err:  # noqa: BLE001 - a replay never stops training
+        _warn_replay_failed(step, err)
+        return Float32Set((), "not-precision", f"the replay failed: {type(err).__name__}")
+
+
+def _scale_with(replayer: Replayer, layers: list[Any], step: int) -> float:
+    """The scale to go on at with `layers` in float32 (`calibration.starting_scale`; 0 where
+    the replay fails: the scale is left as it is)."""
+    try:
+        return starting_scale(replayer, layers)
+    except Exception as err:  # noqa: BLE001 - a replay never stops training
+        _warn_replay_failed(step, err)
+        return 0.0
+
+
+def _warn_replay_failed(step: int, err: Exception) -> None:
+    warnings.warn(
+        f"PrecisionRepair could not replay overflow step {step}, so it repairs nothing there "
+        f"(training goes on): {type(err).__name__}: {str(err)[:300]} "
+        f"{docs_page('guides/repair')}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _agreed(model: Any, found: Float32Set) -> Float32Set:
@@ -240,6 +283,20 @@ def _agreed(model: Any, found: Float32Set) -> Float32Set:
     strategy = model.distribute_strategy
     if not _workers(strategy) > 1:
         return found
+    return _agreed_verdict(model, strategy, found)
+
+
+def _least(model: Any, scale: float) -> float:
+    """The least of the workers' scales (0: none), the same on every worker."""
+    strategy = model.distribute_strategy
+    if not _workers(strategy) > 1:
+        return scale
+    local = tf.constant([scale if scale > 0 else np.inf], tf.float32)
+    least = float(np.min(np.asarray(strategy.gather(strategy.run(lambda: local), axis=0))))
+    return least if np.isfinite(least) else 0.0
+
+
+def _agreed_verdict(model: Any, strategy: Any, found: Float32Set) -> Float32Set:
     everything = [model, *iter_layers(model)]
     chosen = {id(layer) for layer, _ in found.layers}
     votes = [float(found.cause == cause) for cause in _CAUSES]
@@ -257,7 +314,7 @@ def _agreed(model: Any, found: Float32Set) -> Float32Set:
         if total[index]:
             problem = found.problem if found.cause == cause else "seen on another worker"
             return Float32Set((), cause, problem)
-    cause = next((c for c, seen in zip(_CAUSES[2:], total[2:4]) if seen), "none")
+    cause = next((c for c, seen in zip(_CAUSES[2:], total[2 : len(_CAUSES)]) if seen), "none")
     return Float32Set(layers, cause, None)
 
 
