@@ -10,15 +10,18 @@ the optimizer's variables), it replays the newest overflow step's batches
 (`calibration.float32_set`):
 
 - a forward overflow, or gradients not finite even unscaled, in layers that are finite in
-  float32: those layers (the smallest set that makes the batches finite) move to float32 and
-  the train function is traced again. The skipped steps changed nothing.
+  float32: those layers (the smallest set that makes the batches finite, with the 4x
+  headroom of `calibration.HEADROOM`) move to float32, the loss scale restarts at the level
+  the replay verifies (`calibration.starting_scale`), and the train function is traced again.
+  The skipped steps changed nothing.
 - NaN/Inf in the batch, or values that are not finite even in float32: not repaired; named
   in one line, and `OverflowGuard` decides.
 - nothing: the overflow is the scaled gradients', and the dynamic scale absorbs it.
 
 Across replicas and workers every replica's batch is replayed, and the verdicts are summed
-over the strategy: every worker makes the same repair at the same step. The step is chosen
-from the optimizer's state, which every worker shares.
+over the strategy: every worker makes the same repair at the same step and restarts at the
+same scale (the least the workers verify). The step is chosen from the optimizer's state,
+which every worker shares.
 """
 
 from __future__ import annotations
@@ -121,9 +124,14 @@ class PrecisionRepair(keras.callbacks.Callback):
     `tfmixprec.TensorBoard` writes each one as a `mixed_precision/repairs` text at its step.
     A repaired functional or Sequential model saves its new policies in its `.keras` file.
 
-    Needs a tfmixprec or Keras `LossScaleOptimizer` (adopted as the other callbacks do), a
-    single compiled loss, and `jit_compile=False` (the step copies an overflow batch to the
-    host); without them it warns once and does nothing.
+    After a repair the loss scale goes on from the level the replay verifies finite with the
+    layers moved (as `calibrate`'s `initial_scale`): the overflows had lowered it for a cause
+    now gone.
+
+    Needs a tfmixprec or Keras `LossScaleOptimizer` (adopted as the other callbacks do), one
+    compiled loss, `jit_compile=False` (the step copies an overflow batch to the host; Keras's
+    default "auto" compiles with XLA on a GPU) and no gradient accumulation; without them it
+    warns once and does nothing.
 
     Args:
         max_repairs: Int >= 1. Repairs per `fit` at the most.
