@@ -1,13 +1,14 @@
 """Per-step overhead of tfmixprec vs Keras's own LossScaleOptimizer, in `model.fit`.
 
-Three variants, same model, policy, data and batch:
+Three variants (four with `--repair`), same model, policy, data and batch:
 
 - `keras`: `keras.Model` + `keras.optimizers.LossScaleOptimizer` + plain `fit` (the baseline);
 - `optimizer`: `keras.Model` + `tfmixprec.LossScaleOptimizer` (Keras's own train_step);
 - `full`: `tfmixprec.MixedPrecisionModel` (its train_step and optimizer, the state guard
   included: with `--batchnorm` the model's batch-norm statistics are put back on a skipped
-  step) + `LossScaleMonitor` + `tfmixprec.TensorBoard` at its default `update_freq` ("epoch"),
-  and with `--repair` a `PrecisionRepair` armed (its step keeps the batch of an overflow step).
+  step) + `LossScaleMonitor` + `tfmixprec.TensorBoard` at its default `update_freq` ("epoch");
+- `repair` (with `--repair`): `full` with a `PrecisionRepair` armed (its step keeps the batch
+  of an overflow step), paired with `full` too.
 
 Runs alternate in one process (A, B, C, C, B, A, ...) so drift hits all alike; the figures are
 the medians of the paired ratios to `keras`.
@@ -73,7 +74,7 @@ class StepWindow(bench.StepTimer):
 
 def build(kind: str, args: argparse.Namespace, log_dir: str):
     keras.utils.set_random_seed(0)
-    cls = tfmixprec.MixedPrecisionModel if kind == "full" else keras.Model
+    cls = tfmixprec.MixedPrecisionModel if kind in ("full", "repair") else keras.Model
     inputs = keras.Input((args.features,))
     h = inputs
     for _ in range(args.depth):
@@ -91,9 +92,9 @@ def build(kind: str, args: argparse.Namespace, log_dir: str):
         optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=args.jit_compile
     )
     callbacks = []
-    if kind == "full":
+    if kind in ("full", "repair"):
         callbacks = [tfmixprec.LossScaleMonitor(), tfmixprec.TensorBoard(log_dir)]
-        if args.repair:  # armed: the step keeps overflow batches, the callback reads nothing
+        if kind == "repair":  # armed: the step keeps overflow batches, the callback reads nothing
             callbacks.append(tfmixprec.PrecisionRepair())
     return model, callbacks
 
@@ -127,14 +128,15 @@ def main(argv: list[str] | None = None) -> dict:
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat().prefetch(2)
 
     log_dir = tempfile.mkdtemp(prefix="tfmixprec-overhead-")
-    variants = {kind: build(kind, args, log_dir) for kind in VARIANTS}
+    kinds = VARIANTS + (("repair",) if args.repair else ())
+    variants = {kind: build(kind, args, log_dir) for kind in kinds}
     for model, callbacks in variants.values():  # trace and warm up
         run_fit(model, callbacks, dataset, max(5, args.steps // 5))
 
-    times: dict[str, list[float]] = {kind: [] for kind in VARIANTS}
-    syncs: dict[str, int] = {kind: 0 for kind in VARIANTS}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    syncs: dict[str, int] = {kind: 0 for kind in kinds}
     for repeat in range(args.repeats):
-        order = VARIANTS if repeat % 2 == 0 else tuple(reversed(VARIANTS))
+        order = kinds if repeat % 2 == 0 else tuple(reversed(kinds))
         for kind in order:
             model, callbacks = variants[kind]
             window = run_fit(model, callbacks, dataset, args.steps)
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
             syncs[kind] += window.syncs
     ratios = {
         kind: statistics.median(t / k for t, k in zip(times[kind], times["keras"]))
-        for kind in VARIANTS
+        for kind in kinds
     }
 
     total_steps = args.repeats * (args.steps - 1)  # steps inside the timed windows
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"batch={args.batch} steps/run={args.steps} repeats={args.repeats} "
         f"jit_compile={args.jit_compile} batchnorm={args.batchnorm} repair={args.repair}"
     )
-    for kind in VARIANTS:
+    for kind in kinds:
         print(
             f"{kind:10s} median {1000 * statistics.median(times[kind]):8.3f} ms/step   "
             f"paired ratio to keras {ratios[kind]:.3f}   host syncs per step: "
@@ -176,6 +178,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"full-stack median paired ratio: {ratios['full']:.3f} (goal <= 1.02); "
         f"optimizer only: {ratios['optimizer']:.3f}"
     )
+    if args.repair:  # the same stack with PrecisionRepair armed, paired with it
+        paired = statistics.median(r / f for r, f in zip(times["repair"], times["full"]))
+        print(
+            f"with PrecisionRepair armed: paired ratio to keras {ratios['repair']:.3f}, to the "
+            f"full stack without it {paired:.3f} (goal <= 1.02)"
+        )
     return {"ratios": ratios, "syncs_per_step": {k: v / total_steps for k, v in syncs.items()}}
 
 

@@ -107,8 +107,7 @@ def worker_main(args: argparse.Namespace) -> None:
         dataset = _dataset(x, y, weights, entry.batch_size)
         bench.time_fit(model, dataset, args.steps, callbacks)  # warm up
         times = [
-            bench.time_fit(model, dataset, args.steps, callbacks).per_step
-            for _ in range(args.runs)
+            bench.time_fit(model, dataset, args.steps, callbacks).per_step for _ in range(args.runs)
         ]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     with open(args.record, "w") as f:

@@ -42,7 +42,7 @@ def test_overhead_smoke():
         "--repair",
     )
     lines = out.splitlines()
-    assert "repair=True" in out
+    assert "repair=True" in out and "with PrecisionRepair armed: paired ratio" in out
     assert any(line.startswith("full ") and "host syncs per step" in line for line in lines)
     assert "full-stack median paired ratio:" in out
 

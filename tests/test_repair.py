@@ -285,3 +285,25 @@ def test_the_monitor_says_the_overflows_were_repaired():
         "scale 32768 -> 4096; gradients not finite in: after, out; repaired at step 4: "
         "'big', 'proj' now float32"
     ]
+
+
+def test_a_fit_in_a_loop_traces_the_step_once():
+    """Between fits the keeper is dormant (keeps nothing) and the next fit reuses the train
+    function traced with it: `fit` called once an epoch does not trace again each time."""
+    model = overflow_model("flows")
+    clean = overflowing(every=10**6)
+    model.fit(*clean, epochs=1, verbose=0, callbacks=[tfmixprec.PrecisionRepair()])
+    traced = model.train_function
+    seen = []
+
+    class Seen(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(self.model.train_function)
+
+    repair = tfmixprec.PrecisionRepair(verbose=0)
+    model.fit(*overflowing(), batch_size=32, shuffle=False, epochs=1, verbose=0,
+              callbacks=[repair, Seen()])  # fmt: skip
+    assert seen[0] is traced  # not traced again
+    assert [(r.step, r.layers) for r in repair.repairs] == [(12, ("big", "proj"))]  # 8 before
+    keeper = tfmixprec.diagnosis.current_keeper(model)
+    assert not keeper.active  # dormant again: it keeps nothing more

@@ -542,6 +542,10 @@ class OverflowBatches:
         self.keep_latest = False
         self.latest: list[KeptBatch] = []
         self.seen = 0
+        # A callbacks' keeper is dormant between fits (`stop_keeping_for_callbacks`): it keeps
+        # nothing, and the train function traced with it (`traced`) is reused by the next fit.
+        self.active = True
+        self.traced: Any = None
         self._lock = threading.Lock()
 
     def keep_if_overflow(self, data: Any, overflowed: tf.Tensor, optimizer: Any) -> None:
@@ -556,6 +560,8 @@ class OverflowBatches:
         tensors = [tensor for tensor in flat if tensor is not None]
 
         def keep(*values: Any) -> None:
+            if not self.active:
+                return  # dormant between fits
             with self._lock:
                 self.seen += 1
             if len(self.kept) >= self.limit and not self.keep_latest:
@@ -664,6 +670,8 @@ def keep_for_callbacks(
     the newest overflow step's batches, one a replica, under any number of replicas."""
     current = current_keeper(model)
     if current is not None and current.owner == "callbacks" and current.fit is not fit:
+        if _can_wake(model, current, latest):
+            return _wake(model, current, limit, fit, latest)
         current = None  # left by an earlier fit
     if current is not None:
         if current.owner == "callbacks":
@@ -684,7 +692,32 @@ def keep_for_callbacks(
 
 
 def stop_keeping_for_callbacks(model: Any) -> None:
-    """Ends the callbacks' keeping (a user's `keep_overflow_batches` is left alone)."""
+    """Ends the callbacks' keeping (a user's `keep_overflow_batches` is left alone).
+
+    The keeper goes dormant rather than away: it keeps nothing from now on, and the class's
+    step is back for any new trace (a `compile` traces again without it), but the train
+    function traced with it stays, so the next `fit` with a callback that keeps batches
+    reuses it instead of tracing again (`fit` called in a loop, one epoch each)."""
     current = current_keeper(model)
     if current is not None and current.owner == "callbacks":
-        set_keeper(model, None)
+        current.active = False
+        current.traced = getattr(model, "train_function", None)
+        replace_train_step(model, None)
+
+
+def _can_wake(model: Any, keeper: OverflowBatches, latest: bool) -> bool:
+    """Whether a dormant keeper's traced train function is still the model's, and usable."""
+    if keeper.active or keeper.traced is None:
+        return False
+    traced = getattr(model, "train_function", None)
+    return traced is keeper.traced and cannot_keep_batches(model, replicas_ok=latest) is None
+
+
+def _wake(model: Any, keeper: OverflowBatches, limit: int, fit: Any, latest: bool) -> Any:
+    """A dormant keeper kept for this `fit`, as a new one would, in the same traced step."""
+    with keeper._lock:
+        keeper.kept, keeper.latest = [], []
+    keeper.limit, keeper.fit, keeper.keep_latest = limit, fit, latest
+    replace_train_step(model, _keeping(model, keeper))  # for a later trace; none now
+    keeper.active, keeper.traced = True, None
+    return keeper
