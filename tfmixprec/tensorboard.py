@@ -473,8 +473,8 @@ def _write_repairs(board: TensorBoard) -> None:
     """Each `PrecisionRepair` repair made since the last call, as a text at its step (a
     host-side list: nothing read from the device)."""
     repairs = repairs_of(board.model)
-    if not _writes_summaries(board.model):
-        return
+    if len(repairs) == board._repairs_written or not _writes_summaries(board.model):
+        return  # nothing new (every batch: a tuple's length, nothing more)
     new = repairs[board._repairs_written :]
     for done, repair in enumerate(new, start=board._repairs_written + 1):
         _write_text(board, TAGS["repairs"], repair.to_markdown(), repair.step)
