@@ -307,3 +307,35 @@ def test_a_fit_in_a_loop_traces_the_step_once():
     assert [(r.step, r.layers) for r in repair.repairs] == [(12, ("big", "proj"))]  # 8 before
     keeper = tfmixprec.diagnosis.current_keeper(model)
     assert not keeper.active  # dormant again: it keeps nothing more
+
+
+def test_a_fixed_scale_is_left_as_it_is():
+    optimizer = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(1e-6), 128, dynamic=False)
+    model = overflow_model("flows", optimizer=optimizer)
+    repair = tfmixprec.PrecisionRepair(verbose=0)
+    _fit(model, repair, epochs=1)
+    assert [(r.layers, r.loss_scale) for r in repair.repairs] == [(("big", "proj"), 0.0)]
+    assert float(model.optimizer.loss_scale) == 128.0
+    assert "loss scale goes on" not in str(repair.repairs[0])
+
+
+def test_a_fit_that_raised_leaves_no_keeping_behind():
+    """Keras skips on_train_end when fit raises: the next fit's keeper replaces the stale one,
+    which keeps nothing more, and the step is wrapped once (guarded once)."""
+    model = overflow_model("flows")
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(*overflowing(), verbose=0, callbacks=[tfmixprec.PrecisionRepair(), Boom()])
+    stale = tfmixprec.diagnosis.current_keeper(model)
+    _fit(model, tfmixprec.PrecisionRepair(verbose=0), epochs=1)
+    assert not stale.active and tfmixprec.diagnosis.current_keeper(model) is not stale
+    chain, step = [], model.train_step
+    while step is not None:
+        chain.append(getattr(step, "__name__", "?"))
+        step = getattr(step, "__wrapped__", None)
+    assert chain == ["guarded", "train_step"]  # the class's step, guarded once, no keeping

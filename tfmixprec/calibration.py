@@ -411,11 +411,15 @@ def layer_keys(model: keras.Model) -> dict[int, str]:
         for part in parts:
             if id(part) not in inner or len(parts) < inner[id(part)][0]:
                 inner[id(part)] = (len(parts), outer)
+
+    def nested(layer: Any) -> str:  # a layer shared by the model and a nested model: nested
+        parent = inner.get(id(layer), (0, None))[1]
+        return layer.name if parent is None else f"{nested(parent)}/{layer.name}"
+
     keys: dict[int, str] = {id(model): model.name}
     seen: dict[str, int] = {}
-    for layer in iter_layers(model):  # a parent comes before its parts
-        parent = inner.get(id(layer), (0, None))[1]
-        key = layer.name if parent is None else f"{keys[id(parent)]}/{layer.name}"
+    for layer in iter_layers(model):
+        key = nested(layer)
         seen[key] = seen.get(key, 0) + 1
         keys[id(layer)] = key if seen[key] == 1 else f"{key}#{seen[key]}"
     return keys

@@ -646,6 +646,10 @@ def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
             keeper.keep_if_overflow(data, overflow > 0, optimizer)
             return logs
 
+        # The state guard wraps a step once: the keeping wrapper says whether what it wraps
+        # is guarded already (`_adoption`), so a later adoption does not guard it twice.
+        keeping_step.tfmixprec_guarded = getattr(step, "tfmixprec_guarded", False)
+        keeping_step.__wrapped__ = step
         return keeping_step
 
     return make
@@ -672,7 +676,8 @@ def keep_for_callbacks(
     if current is not None and current.owner == "callbacks" and current.fit is not fit:
         if _can_wake(model, current, latest):
             return _wake(model, current, limit, fit, latest)
-        current = None  # left by an earlier fit
+        current.active = False  # left by an earlier fit (one that raised): keeps no more
+        current = None
     if current is not None:
         if current.owner == "callbacks":
             current.limit = max(current.limit, limit)

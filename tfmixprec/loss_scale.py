@@ -412,7 +412,10 @@ class LossScale(tf.Module):
     def restart_at(self, scale: float) -> None:
         """After a repair (`PrecisionRepair`), between steps: the scale at `scale` (within the
         bounds), and the counts of growth, hysteresis and overflows at `min_scale` from the
-        start: the overflows the repaired layers caused are not the scale's to answer for."""
+        start: the overflows the repaired layers caused are not the scale's to answer for.
+        A fixed scale (`dynamic=False`) is the user's: left as it is."""
+        if not self.config.dynamic:
+            return
         low, high = self.config.min_scale, self.config.max_scale
         self.scale_variable.assign(min(max(float(scale), low), high))
         self.good_steps.assign(0)

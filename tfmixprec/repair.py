@@ -67,7 +67,8 @@ class Repair:
         message: String. What was found, in a sentence.
         loss_scale: Float. For a repair, the scale training goes on at: the largest the
             replay verifies finite with the layers moved (as `calibrate`'s `initial_scale`);
-            the overflows before the repair had lowered it, for a cause now gone. 0: none.
+            the overflows before the repair had lowered it, for a cause now gone. 0: none (or
+            a fixed scale, `dynamic=False`, which a repair leaves as it is).
     """
 
     step: int
@@ -89,10 +90,10 @@ class Repair:
         if not self.repaired:
             return f"not repaired ({self.cause}): {self.message}"
         names = ", ".join(repr(layer) for layer in self.layers)
-        return (
-            f"{names} now compute in float32 ({self.cause}: {self.message}); the loss scale "
-            f"goes on from {format_scale(self.loss_scale)}"
-        )
+        line = f"{names} now compute in float32 ({self.cause}: {self.message})"
+        if self.loss_scale > 0:  # 0: a fixed scale, left as it was
+            line += f"; the loss scale goes on from {format_scale(self.loss_scale)}"
+        return line
 
     def __str__(self) -> str:
         return f"PrecisionRepair: step {self.step}: {self.line()}"
@@ -237,13 +238,14 @@ class PrecisionRepair(keras.callbacks.Callback):
         keys = layer_keys(self.model)
         message = found.problem or f"{keys[id(layers[0])]!r}: {found.layers[0][1]}"
         names = tuple(keys[id(layer)] for layer in layers)
-        judgment = Repair(step, names, found.cause, message, scale if layers else 0.0)
+        dynamic = self._reader.optimizer.dynamic  # a fixed scale is left as it is
+        judgment = Repair(step, names, found.cause, message, scale if layers and dynamic else 0.0)
         self.judgments.append(judgment)
         if judgment.repaired:
             recorded = compute_in_float32(self.model, layers)
             reason = f"PrecisionRepair at step {step} ({judgment.cause})"
             mark_float32(self.model, {layer: reason for layer in judgment.layers})
-            if scale > 0:
+            if judgment.loss_scale > 0:
                 self._reader.optimizer.restart_at(scale)
             self.model.make_train_function(force=True)
             self.repairs.append(judgment)
