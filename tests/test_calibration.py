@@ -198,7 +198,7 @@ def test_a_dataset_and_a_kerashub_model():
     # __init__, share names across blocks and have no parent in their path.
     keys = tfmixprec.calibration.layer_keys(model)
     assert len(set(keys.values())) == len(keys) == len(iter_layers(model)) + 1
-    assert "gpt2_backbone/transformer_layer_0/feedforward_dropout" in keys.values()
+    assert f"{model.backbone.name}/transformer_layer_0/feedforward_dropout" in keys.values()
     assert report.initial_scale == 2.0**15 and report.keras_start_skips == 0
 
 
