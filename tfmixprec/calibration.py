@@ -56,7 +56,7 @@ from tfmixprec._layers import (
     watch_leaf_calls,
 )
 from tfmixprec._observe import policies_swapped, state_put_back
-from tfmixprec._text import docs_page, markdown_table
+from tfmixprec._text import docs_page, jsonable, markdown_table
 from tfmixprec._validate import check_bool, check_int_at_least_one
 from tfmixprec.gradient_range import gradient_range_stats
 from tfmixprec.loss_scale import LossScaleConfig, format_scale, multiply
@@ -542,7 +542,7 @@ class CalibrationReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain Python values (JSON-ready: `inf`/`nan` as strings)."""
-        return _jsonable(dataclasses.asdict(self))
+        return jsonable(dataclasses.asdict(self))
 
     def write_summary(self, log_dir: str, step: int = 0) -> None:
         """Writes the report (`to_markdown()`) as a `mixed_precision/calibration` text into
@@ -597,16 +597,6 @@ class CalibrationReport:
             f"{self.batches} batches: {skips(self.start_skips)}, from Keras's "
             f"{format_scale(KERAS_START)}: {skips(self.keras_start_skips)}"
         )
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
 
 
 def _scale_setter(model: keras.Model, scale: float) -> Callable[[], PolicyChange] | None:

@@ -46,7 +46,7 @@ from tfmixprec._layers import (
     watch_leaf_calls,
 )
 from tfmixprec._observe import policies_swapped
-from tfmixprec._text import docs_page, markdown_table
+from tfmixprec._text import docs_page, jsonable, markdown_table
 from tfmixprec._validate import check_float32_scale
 from tfmixprec.gradient_range import gradient_range_stats
 from tfmixprec.loss_scale import format_scale, multiply
@@ -116,7 +116,7 @@ class OverflowDiagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         """The diagnosis as plain Python values (JSON-ready: `inf`/`nan` as strings)."""
-        return _jsonable(dataclasses.asdict(self))
+        return jsonable(dataclasses.asdict(self))
 
     def to_markdown(self) -> str:
         """A short verdict and a markdown table of the layers (for TensorBoard and issues)."""
@@ -140,16 +140,6 @@ class OverflowDiagnosis:
     def __str__(self) -> str:
         where = f" in layer {self.layer!r}" if self.layer else ""
         return f"{self.cause}{where}: {self.message}"
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
 
 
 def _floats(value: Any) -> list[np.ndarray]:
