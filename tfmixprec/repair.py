@@ -195,8 +195,9 @@ class PrecisionRepair(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._keeper is not None:
-            stop_keeping_for_callbacks(self.model)
-            self._keeper.keep_latest = self._keeper.owner == "callbacks"
+            stop_keeping_for_callbacks(self.model)  # the callbacks' keeper goes dormant
+            if self._keeper.owner != "callbacks":  # a user's keeper: back as it was
+                self._keeper.keep_latest = False
         self._keeper = None
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
