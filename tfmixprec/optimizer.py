@@ -8,6 +8,7 @@ the unit's transition. All state is variables; nothing that decides a step is Py
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -310,15 +311,8 @@ class _LossScaleReadout:
         return {**config, **{key: getattr(self, key) for key in CONFIG_NAMES}}
 
 
-_KNOBS = (
-    "growth_interval",
-    "growth_factor",
-    "backoff_factor",
-    "min_scale",
-    "max_scale",
-    "hysteresis",
-    "dynamic",
-)
+# Every field of the config but `initial_scale`, which Keras's optimizer keeps as an attribute.
+_KNOBS = tuple(f.name for f in dataclasses.fields(LossScaleConfig) if f.name != "initial_scale")
 for _name in _KNOBS:
     setattr(_LossScaleReadout, _name, _knob(_name))
 for _attr, (_name, _doc) in _STATE_DOCS.items():
