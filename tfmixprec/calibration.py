@@ -44,6 +44,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmixprec._arrays import float_array, float_arrays, nonfinite_count
 from tfmixprec._dtypes import DTYPE_MAX, FLOAT16_MAX
 from tfmixprec._keras_compat import all_sublayers
 from tfmixprec._layers import (
@@ -116,33 +117,17 @@ class _Run:
 
     @property
     def grads_finite(self) -> bool:
-        return all(g is None or bool(np.isfinite(_array(g)).all()) for g in self.grads)
-
-
-def _array(value: Any) -> np.ndarray:
-    if isinstance(value, tf.IndexedSlices):
-        value = value.values
-    return np.asarray(tf.cast(value, tf.float32).numpy() if tf.is_tensor(value) else value)
-
-
-def _floats(value: Any) -> list[np.ndarray]:
-    arrays = []
-    for item in keras.tree.flatten(value):
-        if item is None or not (tf.is_tensor(item) or isinstance(item, np.ndarray)):
-            continue
-        if tf.as_dtype(item.dtype).is_floating:
-            arrays.append(_array(item))
-    return arrays
+        return all(g is None or bool(np.isfinite(float_array(g)).all()) for g in self.grads)
 
 
 def _call(layer: Any, args: tuple, result: Any) -> _Call:
-    out = _floats(result)
+    out = float_arrays(result)
     finite = [np.abs(a[np.isfinite(a)]) for a in out]
     biggest = max((float(f.max()) for f in finite if f.size), default=0.0)
     bad = sum(int((~np.isfinite(a)).sum()) for a in out)
     past = sum(int((np.abs(a) > FLOAT16_MAX).sum()) for a in out)
     size = sum(a.size for a in out)
-    inputs = _floats(args)
+    inputs = float_arrays(args)
     bad_inputs = any(not np.isfinite(a).all() for a in inputs)
     input_max = max((float(np.abs(a).max()) for a in inputs if a.size), default=0.0)
     dtypes = {_dtype_name(item) for item in keras.tree.flatten(result) if item is not None}
@@ -280,7 +265,7 @@ def _runnable(replayer: Replayer, chosen: list[Any], fix: list[tuple[Any, str]])
 def bad_data(batch: tuple) -> str | None:
     """What NaN/Inf the batch's inputs, labels or sample weights hold, or None."""
     for name, value in zip(("inputs", "labels", "sample weights"), batch):
-        bad = sum(int((~np.isfinite(a)).sum()) for a in _floats(value))
+        bad = nonfinite_count(value)
         if bad:
             return (
                 f"the batch's {name} hold {bad} NaN/Inf values: no float32 layer and no loss "
@@ -375,7 +360,7 @@ def _backward_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) 
     bad = {
         id(owners[id(v)])
         for v, g in zip(variables, run.grads)
-        if g is not None and id(v) in owners and not np.isfinite(_array(g)).all()
+        if g is not None and id(v) in owners and not np.isfinite(float_array(g)).all()
     }
     taken = {id(layer) for layer in chosen}
     for call in reversed(run.calls):
@@ -614,15 +599,16 @@ def _scale_setter(model: keras.Model, scale: float) -> Callable[[], PolicyChange
             "layers only."
         )
     config = getattr(optimizer, "loss_scale_config", None)
-    if config is not None and config.dynamic:
-        low, high = config.min_scale, config.max_scale
-        if not low <= scale <= high:
+    if config is not None:  # the config's own checks, before anything changes
+        try:
+            dataclasses.replace(config, initial_scale=scale)
+        except ValueError as err:
             raise ValueError(
                 f"apply would start the loss scale at {format_scale(scale)}, outside the "
-                f"optimizer's [min_scale, max_scale] = [{low:g}, {high:g}]: calibrate the "
-                "model with this optimizer (its bounds are read then), or pass "
-                "set_scale=False."
-            )
+                f"optimizer's [min_scale, max_scale] = [{config.min_scale:g}, "
+                f"{config.max_scale:g}]: calibrate the model with this optimizer (its bounds "
+                f"are read then), or pass set_scale=False. ({err})"
+            ) from err
     old = _current_scale(optimizer)
 
     def change() -> PolicyChange:
@@ -884,5 +870,5 @@ def _grads_by_layer(model: keras.Model, runs: list[_Run]) -> dict[int, list[np.n
     for run in runs:
         for variable, grad in zip(model.trainable_variables, run.grads):
             if grad is not None and id(variable) in owners:
-                per_layer.setdefault(id(owners[id(variable)]), []).append(_array(grad))
+                per_layer.setdefault(id(owners[id(variable)]), []).append(float_array(grad))
     return per_layer

@@ -35,6 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmixprec._arrays import float_arrays, nonfinite_count
 from tfmixprec._dtypes import DTYPE_MAX, FLOAT32_MAX
 from tfmixprec._keras_compat import replace_train_step
 from tfmixprec._layers import (
@@ -142,29 +143,12 @@ class OverflowDiagnosis:
         return f"{self.cause}{where}: {self.message}"
 
 
-def _floats(value: Any) -> list[np.ndarray]:
-    """The floating-point arrays in a nested structure of tensors/arrays."""
-    arrays = []
-    for item in keras.tree.flatten(value):
-        if item is None:
-            continue
-        array = np.asarray(tf.convert_to_tensor(item).numpy() if tf.is_tensor(item) else item)
-        if np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16":
-            arrays.append(array.astype(np.float32))
-    return arrays
-
-
-def _nonfinite(value: Any) -> int:
-    """How many NaN/Inf values the floating-point arrays in `value` hold."""
-    return sum(int((~np.isfinite(array)).sum()) for array in _floats(value))
-
-
 def _all_finite(value: Any) -> bool:
-    return _nonfinite(value) == 0
+    return nonfinite_count(value) == 0
 
 
 def _output_stats(result: Any) -> tuple[float, int, int]:
-    arrays = _floats(result)
+    arrays = float_arrays(result)
     nan = sum(int(np.isnan(a).sum()) for a in arrays)
     inf = sum(int(np.isinf(a).sum()) for a in arrays)
     finite = [np.abs(a[np.isfinite(a)]) for a in arrays]
@@ -219,7 +203,7 @@ def _gradient_rows(model: keras.Model, grads: list[Any], grads32: list[Any]) -> 
         mine[1].append(grad32)
     rows = {}
     for key, (mine, mine32) in per_layer.items():
-        bad = _nonfinite(mine)
+        bad = nonfinite_count(mine)
         rows[key] = (
             bad,
             gradient_range_stats([g for g in mine32 if g is not None]).underflow_fraction,
@@ -259,7 +243,7 @@ def _layer_rows(model: keras.Model, run: _Pass, run32: _Pass) -> list[LayerRepla
 
 def _bad_data(data: tuple) -> OverflowDiagnosis | None:
     for name, value in zip(("inputs", "labels", "sample weights"), data):
-        bad = _nonfinite(value)
+        bad = nonfinite_count(value)
         if bad:
             return _verdict(
                 "bad-data",
