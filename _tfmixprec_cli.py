@@ -17,6 +17,7 @@ import re
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 __all__ = ["build_parser", "drop_startup_noise", "main", "run", "start_tensorflow"]
 
@@ -32,6 +33,50 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+BENCH_MODELS = ("mlp", "cnn", "transformer")
+ZOO_MODELS = ("gpt2", "llama", "gemma", "mistral", "bert", "vit", "resnet", "mobilenet")
+
+
+def _bench_model(text: str) -> str:
+    """A built-in or zoo model's name, or MODULE:FUNCTION / FILE.py:FUNCTION (checked when
+    imported, after TensorFlow starts)."""
+    where, _, name = text.rpartition(":")
+    if text in BENCH_MODELS or text in ZOO_MODELS or (where and name.isidentifier()):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"expected {', '.join(BENCH_MODELS + ZOO_MODELS)} or MODULE:FUNCTION / "
+        f"FILE.py:FUNCTION, got {text!r}"
+    )
+
+
+def _add_bench(sub: Any) -> None:
+    """The `bench` subcommand's arguments."""
+    bench = sub.add_parser("bench", help="step time and throughput per policy, side by side")
+    bench.add_argument(
+        "--model",
+        type=_bench_model,
+        default="mlp",
+        help=f"{', '.join(BENCH_MODELS)} (built in), a zoo model ({', '.join(ZOO_MODELS)}), "
+        "or your own: MODULE:FUNCTION or FILE.py:FUNCTION, a function that builds and "
+        "compiles it (default: mlp)",
+    )
+    bench.add_argument(
+        "--policies",
+        nargs="+",
+        choices=DEMO_POLICIES,
+        help="default: float32 mixed_bfloat16 auto (built in); float32 mixed_bfloat16 "
+        "mixed_float16 (other models)",
+    )
+    bench.add_argument("--size", type=_positive_int, default=1024, help="built-in model width")
+    bench.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        help="default: 256 (built in), 32 (your function's model); a zoo model uses its own",
+    )
+    bench.add_argument("--steps", type=_positive_int, default=20, help="steps per timed run")
+    bench.add_argument("--repeats", type=_positive_int, default=3)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,18 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=_positive_int, default=64)
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    bench = sub.add_parser("bench", help="step time and throughput per policy, side by side")
-    bench.add_argument("--model", choices=("mlp", "cnn", "transformer"), default="mlp")
-    bench.add_argument(
-        "--policies",
-        nargs="+",
-        choices=DEMO_POLICIES,
-        default=["float32", "mixed_bfloat16", "auto"],
-    )
-    bench.add_argument("--size", type=_positive_int, default=1024, help="model width")
-    bench.add_argument("--batch-size", type=_positive_int, default=256)
-    bench.add_argument("--steps", type=_positive_int, default=20, help="steps per timed run")
-    bench.add_argument("--repeats", type=_positive_int, default=3)
+    _add_bench(sub)
     return parser
 
 

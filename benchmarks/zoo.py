@@ -9,9 +9,12 @@ each compiled with `"adam"` the Keras way:
 - `bf16 keras` / `f16 keras`: plain Keras under `mixed_bfloat16` / `mixed_float16` (Keras wraps
   the float16 optimizer in its own `LossScaleOptimizer`);
 - `bf16 tfmixprec` / `f16 tfmixprec`: the same model trained with tfmixprec's callbacks
-  (`LossScaleMonitor`, `OverflowGuard`: Keras's optimizer adopted), and for float16 on a
-  machine without a GPU its CPU route (`tfmixprec.cpu_float16`: the remapper off, Dense /
-  EinsumDense / convolution products in float32).
+  (`LossScaleMonitor`, `OverflowGuard`: Keras's optimizer adopted), and its CPU routes on a
+  machine without a GPU: for bfloat16 `tfmixprec.cpu_bfloat16` (a language model's logits in
+  bfloat16, depthwise convolutions in float32, where measured to help), for float16
+  `tfmixprec.cpu_float16` (the remapper off, Dense / EinsumDense / convolution products in
+  float32). The last column counts the layers a route changed: with none, the step is the
+  same as plain Keras's, and any difference in its time is the machine's noise.
 
 Every (model, stack) runs in its own process (the remapper switch and the peak memory are
 process-wide), in an order that alternates from model to model. A process builds the model
@@ -85,12 +88,14 @@ def worker_main(args: argparse.Namespace) -> None:
     with tfmixprec.policy_scope(POLICY[dtype]):
         entry = zoo.build(name, size=args.size)
         entry.model.compile(optimizer="adam", loss=entry.loss)
-    model, callbacks = entry.model, []
+    model, callbacks, routed = entry.model, [], []
     if through == "tfmixprec":
         callbacks = [tfmixprec.LossScaleMonitor(), tfmixprec.OverflowGuard(verbose=0)]
         if dtype == "f16":
             tfmixprec.cpu_float16.route_around_fused_matmul("mixed_float16")
-            tfmixprec.cpu_float16.fast_float16_layers(model)
+            routed = tfmixprec.cpu_float16.fast_float16_layers(model)
+        else:
+            routed = tfmixprec.cpu_bfloat16.fast_bfloat16_layers(model)
     x, y, weights = entry.data(args.parity_steps + 1)
     record = bench.StepLosses()
     keras.utils.set_random_seed(1)  # the same dropout masks in every stack
@@ -117,6 +122,7 @@ def worker_main(args: argparse.Namespace) -> None:
                 "peak_mib": peak,
                 "losses": record.losses,
                 "skipped": skipped,
+                "routed": routed,
             },
             f,
         )
@@ -141,11 +147,22 @@ def parity(losses: list[float], reference: list[float]) -> float:
     return max(abs(a - b) for a, b in zip(losses, reference)) / abs(reference[0])
 
 
+def _routed(stack: str, routed: list[str]) -> str:
+    """How many layers tfmixprec's CPU routes changed (none: the same step as plain Keras)."""
+    if not stack.endswith("tfmixprec"):
+        return "-"
+    return (
+        f"{len(routed)} ({', '.join(routed[:2])}{', ...' if len(routed) > 2 else ''})"
+        if routed
+        else "0"
+    )
+
+
 def table(args: argparse.Namespace, results: dict) -> list[str]:
     lines = [
         "| model | stack | ms/step | vs float32 | peak MiB | loss parity (largest distance from "
-        "float32's / its first loss) |",
-        "|---|---|---|---|---|---|",
+        "float32's / its first loss) | layers routed |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in args.models:
         base = results[name].get("float32")
@@ -156,7 +173,7 @@ def table(args: argparse.Namespace, results: dict) -> list[str]:
             skipped = f" ({r['skipped']} of them skipped)" if r["skipped"] else ""
             lines.append(
                 f"| {name} | {stack} | {1000 * r['step_s']:.1f} | {ratio} | "
-                f"{r['peak_mib']:.0f} | {close}{skipped} |"
+                f"{r['peak_mib']:.0f} | {close}{skipped} | {_routed(stack, r['routed'])} |"
             )
     return lines
 

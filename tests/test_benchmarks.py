@@ -123,11 +123,23 @@ def test_softmax_precision_smoke():
 
 
 def test_zoo_smoke():
-    out = _run("zoo.py", "--quick", "--models", "gpt2", "--stacks", "float32", "f16 tfmixprec")
+    stacks = ("float32", "bf16 tfmixprec", "f16 tfmixprec")
+    out = _run("zoo.py", "--quick", "--models", "gpt2", "--stacks", *stacks)
     assert "| gpt2 | float32 | " in out and " | 1.00x | " in out
-    row = r"\| gpt2 \| f16 tfmixprec \| [\d.]+ \| [\d.]+x \| \d+ \| \d\.\de[-+]\d\d"
-    row += r"( \(\d+ of them skipped\))? \|"
-    assert re.search(row, out), out
+    for stack in stacks[1:]:
+        row = rf"\| gpt2 \| {stack} \| [\d.]+ \| [\d.]+x \| \d+ \| \d\.\de[-+]\d\d"
+        row += r"( \(\d+ of them skipped\))? \|"
+        assert re.search(row, out), out
+
+
+def test_op_profile_smoke():
+    pytest.importorskip("keras_hub")
+    out = _run("op_profile.py", "--quick", "--model", "gpt2")
+    assert "| | float32 | bf16 keras | bf16 tfmixprec |" in out
+    assert re.search(r"\| step, wall ms \| \*\*\d+\*\* \| \*\*\d+\*\* \| \*\*\d+\*\* \|", out), out
+    for part in ("matmul", "loss and metrics", "dropout", "normalization", "all ops"):
+        assert re.search(rf"\| {part}, op ms \| \d+ \| \d+ \| \d+ \|", out), out
+    assert re.search(r"\| MatMul \(matmul\) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", out), out
 
 
 def test_step_losses_needs_one_call_per_step():

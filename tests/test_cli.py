@@ -150,7 +150,7 @@ def test_audit_bad_files(saved_models, name, message):
         (["demo", "--epochs", "0"], "expected a positive integer, got '0'"),
         (["demo", "--policy", "fp8"], "invalid choice: 'fp8'"),
         (["audit"], "the following arguments are required: model"),
-        (["bench", "--model", "rnn"], "invalid choice: 'rnn'"),
+        (["bench", "--model", "rnn"], "or MODULE:FUNCTION / FILE.py:FUNCTION, got 'rnn'"),
     ],
 )
 def test_bad_arguments_are_usage_errors(args, message):
@@ -204,6 +204,128 @@ def test_bench_table():
     assert len(progress) == 4
 
 
+USER_MODELS = """
+import keras
+import numpy as np
+
+
+def build():
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(4, dtype="float32"),
+        ],
+        name="mine",
+    )
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def with_data():
+    x = np.ones((8, 16), "float32")
+    return build(), x, np.zeros((8, 4), "float32")
+
+
+def not_compiled():
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+
+
+def language_model():
+    tokens = keras.Input((8,), dtype="int32")
+    embedding = keras.layers.ReversibleEmbedding(64, 16, name="embedding")
+    hidden = keras.layers.Dense(16, activation="gelu")(embedding(tokens))
+    model = keras.Model(tokens, embedding(hidden, reverse=True), name="lm")
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    x = np.ones((32, 8), "int32")
+    return model, x, x
+"""
+
+
+def test_bench_your_own_model(tmp_path):
+    """`tfmixprec bench --model FILE.py:FUNCTION`: each policy times the model the function
+    builds under it (plain Keras and through tfmixprec's CPU routes), and one line says which
+    policy to use."""
+    (tmp_path / "models.py").write_text(USER_MODELS)
+    args = ("bench", "--steps", "2", "--repeats", "1", "--policies", "float32", "mixed_bfloat16")
+    code, out, err = run(*args, "--model", "models.py:build", cwd=tmp_path)
+    assert code == 0, err[-2000:]
+    rows = [line.split() for line in out.splitlines() if line.startswith("build ")]
+    # Dense layers take no bfloat16 route: the tfmixprec stack would be the same step.
+    assert [(r[1], r[2], r[3]) for r in rows] == [
+        ("float32", "keras", "32"),
+        ("mixed_bfloat16", "keras", "32"),
+    ]
+    assert "bench: mixed_bfloat16, tfmixprec: no layer to route here, the same step as keras" in err
+    assert rows[0][-1] == "1.00x"
+    recommended = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"recommended: (float32: no other policy ran 1\.05x float32 or faster \(best: "
+        r"mixed_bfloat16, (keras|tfmixprec), [\d.]+x\)(; set_policy\('auto'\) picks "
+        r"mixed_bfloat16 here, but for this model use float32)?|mixed_bfloat16( through "
+        r"tfmixprec)?, [\d.]+x float32(; set_policy\('auto'\) picks float32 here)?)\.",
+        recommended,
+    ), recommended
+    # A language model's logits take a route on a CPU with bfloat16 instructions.
+    code, out, err = run(*args, "--model", "models.py:language_model", cwd=tmp_path)
+    assert code == 0, err[-2000:]
+    stacks = [line.split()[2] for line in out.splitlines() if line.startswith("language_model ")]
+    routed = bool(tfmixprec.cpu_bfloat16.routes_on())
+    assert stacks == ["keras", "keras", "tfmixprec"] if routed else ["keras", "keras"]
+    code, out, err = run(*args, "--model", "models.py:with_data", "--batch-size", "8", cwd=tmp_path)
+    assert code == 0, err[-2000:]
+    batches = [line.split()[3] for line in out.splitlines() if line.startswith("with_data ")]
+    assert batches == ["8", "8"]
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("missing.py:build", "No file 'missing.py' (from --model 'missing.py:build')."),
+        ("no_such_module_here:build", "Cannot import 'no_such_module_here'"),
+        ("models.py:nothing", "'models.py' has no function 'nothing'"),
+        ("models.py:not_compiled", "returned model 'sequential' not compiled: compile it"),
+        ("models.py:with_data", "returned 8 samples, fewer than the batch size 32"),
+    ],
+)
+def test_bench_your_own_model_errors(tmp_path, model, message):
+    (tmp_path / "models.py").write_text(USER_MODELS)
+    code, out, err = run("bench", "--model", model, "--steps", "2", "--repeats", "1", cwd=tmp_path)
+    assert code == 2
+    assert "tfmixprec bench: error: " in err and message in err, err[-2000:]
+    assert "Traceback" not in err and "vs float32" not in out
+
+
+def test_bench_model_names_match_the_package():
+    """The parser names the models without importing tfmixprec: the same names."""
+    import _tfmixprec_cli
+
+    from tfmixprec import bench, zoo
+
+    assert _tfmixprec_cli.BENCH_MODELS == bench.MODELS
+    assert _tfmixprec_cli.ZOO_MODELS == tuple(zoo.MODELS)
+
+
+def test_recommend_from_results():
+    from tfmixprec.bench import BenchResult, recommend
+
+    def result(policy, stack, step_ms):
+        return BenchResult("m", policy, policy, stack, 16, step_ms, 16000 / step_ms, [step_ms])
+
+    auto = tfmixprec.choose_policy().name
+    chosen = recommend([result("float32", "keras", 100), result("mixed_bfloat16", "tfmixprec", 50)])
+    assert (chosen.policy, chosen.stack, chosen.speedup) == ("mixed_bfloat16", "tfmixprec", 2.0)
+    assert chosen.text.startswith("recommended: mixed_bfloat16 through tfmixprec, 2.00x float32")
+    assert chosen.text.endswith("." if auto == "mixed_bfloat16" else f"picks {auto} here.")
+    slower = recommend([result("float32", "keras", 100), result("mixed_bfloat16", "keras", 104)])
+    assert (slower.policy, slower.speedup) == ("float32", 1.0)
+    assert "no other policy ran 1.05x float32 or faster (best: mixed_bfloat16, keras, 0.96x)" in (
+        slower.text
+    )
+    with pytest.raises(ValueError, match="recommend needs a float32 result"):
+        recommend([result("mixed_bfloat16", "keras", 50)])
+
+
 # ------------------------------------------------------------------ a quiet, fast command
 def _run_command(command, env=None, timeout=300):
     """Runs `command`; `env` replaces the environment (default: ours without TF's log level)."""
@@ -223,7 +345,7 @@ def _imported_modules(importtime_stderr):
     [
         (["--help"], 0, "usage: tfmixprec [-h] COMMAND ..."),
         (["demo", "--help"], 0, "[--policy {auto,mixed_float16,mixed_bfloat16,float32}]"),
-        (["bench", "-h"], 0, "[--model {mlp,cnn,transformer}]"),
+        (["bench", "-h"], 0, "[--model MODEL]"),
         (["demo", "--policy", "fp8"], 2, "invalid choice: 'fp8'"),
         (["demo", "--epochs", "0"], 2, "expected a positive integer, got '0'"),
         ([], 2, "the following arguments are required: COMMAND"),

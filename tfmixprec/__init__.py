@@ -1,6 +1,6 @@
 """tfmixprec: safe, visible and fast mixed-precision training for Keras 3 on TensorFlow."""
 
-from tfmixprec import cpu_float16
+from tfmixprec import cpu_bfloat16, cpu_float16
 from tfmixprec import datasets
 from tfmixprec import testing
 from tfmixprec import zoo
@@ -83,6 +83,7 @@ __all__ = [
     "calibrate",
     "choose_policy",
     "compute_unscaled_gradients",
+    "cpu_bfloat16",
     "cpu_float16",
     "dashboard_layout",
     "datasets",

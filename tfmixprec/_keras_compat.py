@@ -34,11 +34,13 @@ __all__ = [
     "ARCHIVE_WEIGHTS",
     "Functional",
     "KerasLossScaleHooks",
+    "REVERSIBLE_EMBEDDING",
     "MultiWorkerFit",
     "across_workers",
     "all_sublayers",
     "build_shapes",
     "call_losses",
+    "compute_dtype_reverse_call",
     "built_variables",
     "float32_convolution_call",
     "float32_product_call",
@@ -48,6 +50,7 @@ __all__ = [
     "producing_layer",
     "producing_output_index",
     "replace_train_step",
+    "reverse_called",
     "set_call_losses",
     "saved_optimizer_wrapped",
     "set_compiled_optimizer",
@@ -516,3 +519,41 @@ def float32_convolution_call(layer: Any, inputs: Any) -> Any:
     if layer.activation is not None:
         x = layer.activation(x)
     return x
+
+
+# Why: `tfmixprec.cpu_bfloat16` computes a `ReversibleEmbedding`'s reverse projection (a
+# language model's logits, its largest matmul) in the layer's compute dtype. Keras does not
+# autocast an embedding's variables, so under `mixed_bfloat16` its `call(reverse=True)`
+# multiplies bfloat16 activations by the float32 table, and the product runs in float32.
+# Its public `reverse_dtype` would change that, but it is saved in the layer's config and
+# leaves the logits in bfloat16; this re-implements Keras's reverse `call` (Keras 3.13 to
+# 3.15; older Keras has no `keras.layers.ReversibleEmbedding`, and nothing is routed there)
+# with the product in the compute dtype and the logits returned in float32, as Keras returns
+# them.
+REVERSIBLE_EMBEDDING = getattr(keras.layers, "ReversibleEmbedding", None)
+
+
+def reverse_called(layer: Any) -> bool | None:
+    """Whether a functional model calls `layer` with `reverse=True` (Keras keeps each
+    symbolic call in the private `_inbound_nodes`, with its arguments); None when the layer
+    has no symbolic calls (a subclassed model's: it may be)."""
+    nodes = getattr(layer, "_inbound_nodes", None) or []
+    if not nodes:
+        return None
+    return any(bool(node.arguments.kwargs.get("reverse", False)) for node in nodes)
+
+
+def compute_dtype_reverse_call(layer: Any, inputs: Any, reverse: bool = False) -> Any:
+    """`ReversibleEmbedding.call` with the reverse product in the layer's compute dtype."""
+    if not reverse:
+        return type(layer).call(layer, inputs, reverse=False)
+    dtype = layer.compute_dtype
+    if layer.tie_weights:
+        kernel = keras.ops.transpose(keras.ops.cast(layer.embeddings, dtype))
+    else:
+        kernel = keras.ops.cast(layer.reverse_embeddings, dtype)
+    logits = keras.ops.cast(keras.ops.matmul(keras.ops.cast(inputs, dtype), kernel), "float32")
+    if layer.logit_soft_cap is not None:
+        cap = layer.logit_soft_cap
+        logits = keras.ops.multiply(keras.ops.tanh(keras.ops.divide(logits, cap)), cap)
+    return logits

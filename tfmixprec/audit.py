@@ -12,7 +12,7 @@ from typing import Any
 
 import keras
 
-from tfmixprec import cpu_float16
+from tfmixprec import cpu_bfloat16, cpu_float16
 from tfmixprec._layers import check_built_model, float32_on_purpose, is_container, iter_layers
 from tfmixprec._model_file import load_model_file
 from tfmixprec._observe import Observation, observe, policies_swapped
@@ -452,6 +452,31 @@ def _cpu_float16_kernels(model: keras.Model, context: _AuditContext) -> list[Fin
     return [Finding("info", "cpu-float16-kernels", None, message, fix)]
 
 
+def _cpu_bfloat16_kernels(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    """bfloat16 layers that a `cpu_bfloat16` route serves on this CPU: routed or not yet."""
+    if not context.cpu_only:
+        return []
+    served = cpu_bfloat16.bfloat16_route_layers(model, context.hardware)
+    if not served:
+        return []
+    shown = ", ".join(f"{name!r} ({route})" for name, (route, _) in list(served.items())[:3])
+    shown += ", ..." if len(served) > 3 else ""
+    if all(done for _, done in served.values()):
+        message = f"{len(served)} bfloat16 layer(s) take a tfmixprec.cpu_bfloat16 route: {shown}."
+        fix = "None needed: their outputs and saved files are as Keras makes them."
+        return [Finding("info", "cpu-bfloat16-routed", None, message, fix)]
+    message = (
+        f"on this CPU, {len(served)} bfloat16 layer(s) run slower than they need: {shown} "
+        "(a language model's logits computed in float32, depthwise convolutions slower in "
+        "bfloat16; docs/guides/bfloat16-on-cpus.md)."
+    )
+    fix = (
+        "Train through tfmixprec (MixedPrecisionModel.compile does it), or call "
+        "tfmixprec.cpu_bfloat16.fast_bfloat16_layers(model): within bfloat16 rounding."
+    )
+    return [Finding("info", "cpu-bfloat16-kernels", None, message, fix)]
+
+
 def _xla_bfloat16_cpu(model: keras.Model, context: _AuditContext) -> list[Finding]:
     """A bfloat16 model compiled with XLA on a machine without a GPU."""
     if not context.cpu_only or model.dtype_policy.compute_dtype != "bfloat16":
@@ -521,6 +546,7 @@ CHECKS: tuple[tuple[str, _Check], ...] = (
     ("model", _float32_on_purpose),
     ("model", _loss_scaling),  # not-compiled / no-loss-scaling
     ("model", _cpu_float16_kernels),
+    ("model", _cpu_bfloat16_kernels),  # or cpu-bfloat16-routed
     ("model", _xla_bfloat16_cpu),
     ("model", _float32_model),  # float32-model: what the recommended policy would find
 )

@@ -7,21 +7,26 @@ Used by `tfmixprec bench` and `benchmarks/speedup.py`. Runs alternate between th
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmixprec import cpu_float16
+from tfmixprec import cpu_float16, zoo
+from tfmixprec._cpu_route import route_of
+from tfmixprec._layers import iter_layers
 from tfmixprec.hardware import detect_hardware
-from tfmixprec.policy import choose_policy, float32_outputs, policy_scope
-from tfmixprec.training import MixedPrecisionModel
+from tfmixprec.policy import check_policy_name, choose_policy, float32_outputs, policy_scope
+from tfmixprec.training import MixedPrecisionModel, route_slow_cpu_kernels
 
 # Internal module (used by `tfmixprec bench` and benchmarks/): the package exports nothing from it.
 __all__: list[str] = []
@@ -202,6 +207,10 @@ def _variant(
     return dict(policy=policy, resolved=resolved, stack=stack, net=net, steps=n, batch=b)
 
 
+def _with_data(variant: dict[str, Any], dataset: tf.data.Dataset) -> dict[str, Any]:
+    return {**variant, "data": dataset}
+
+
 def run_bench(
     model: str = "mlp",
     policies: Sequence[str] = ("float32", "mixed_bfloat16", "auto"),
@@ -253,23 +262,21 @@ def run_bench(
         for policy in policies
         for stack in stacks
     ]
+    variants = [_with_data(v, dataset_for(v["batch"])) for v in variants]
     say = progress or (lambda line: None)
-    runs = _timed_runs(variants, dataset_for, repeats, say)
+    runs = _timed_runs(variants, repeats, say)
     return [_result(model, v, runs[i]) for i, v in enumerate(variants)]
 
 
 def _timed_runs(
-    variants: list[dict[str, Any]],
-    dataset_for: Callable[[int], tf.data.Dataset],
-    repeats: int,
-    say: Callable[[str], None],
+    variants: list[dict[str, Any]], repeats: int, say: Callable[[str], None]
 ) -> dict[int, list[float]]:
     """Each variant warmed up, then timed `repeats` times in alternating order: seconds per
     step, per variant; `say` hears each warm-up and the time left after each round."""
     warm = []
     for i, variant in enumerate(variants):
         warm_steps = max(2, variant["steps"] // 4)
-        timer = time_fit(variant["net"], dataset_for(variant["batch"]), warm_steps)
+        timer = time_fit(variant["net"], variant["data"], warm_steps)
         warm.append(timer.per_step)
         say(
             f"warmed up {i + 1}/{len(variants)}: {_label(variant)} "
@@ -282,7 +289,7 @@ def _timed_runs(
         order = range(len(variants)) if repeat % 2 == 0 else reversed(range(len(variants)))
         for i in order:
             v = variants[i]
-            runs[i].append(time_fit(v["net"], dataset_for(v["batch"]), v["steps"]).per_step)
+            runs[i].append(time_fit(v["net"], v["data"], v["steps"]).per_step)
             left -= v["steps"] * warm[i]
         say(f"run {repeat + 1}/{repeats} of each done, about {_duration(max(left, 0.0))} left")
     return runs
@@ -315,10 +322,12 @@ def _result(model: str, variant: dict[str, Any], runs: list[float]) -> BenchResu
 
 
 def format_table(results: Sequence[BenchResult]) -> str:
-    """A side-by-side table with the throughput ratio to float32 of the same stack."""
-    baseline = {
-        (r.model, r.stack): r.samples_per_s for r in results if r.resolved_policy == "float32"
-    }
+    """A side-by-side table with the throughput ratio to float32 of the same stack (or of the
+    one float32 row a model has)."""
+    baseline = {r.model: r.samples_per_s for r in results if r.resolved_policy == "float32"}
+    baseline.update(
+        {(r.model, r.stack): r.samples_per_s for r in results if r.resolved_policy == "float32"}
+    )
     header = (
         f"{'model':12} {'policy':26} {'stack':10} {'batch':>6} {'ms/step':>10} "
         f"{'samples/s':>10} {'vs float32':>10}"
@@ -326,7 +335,7 @@ def format_table(results: Sequence[BenchResult]) -> str:
     lines = [header, "-" * len(header)]
     for r in results:
         name = r.policy if r.policy == r.resolved_policy else f"{r.policy} ({r.resolved_policy})"
-        base = baseline.get((r.model, r.stack))
+        base = baseline.get((r.model, r.stack), baseline.get(r.model))
         ratio = f"{r.samples_per_s / base:.2f}x" if base else "-"
         lines.append(
             f"{r.model:12} {name:26} {r.stack:10} {r.batch:6d} {r.step_ms:10.2f} "
@@ -346,3 +355,250 @@ def describe_machine() -> dict[str, Any]:
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
     }
+
+
+# ------------------------------------------------------------------ the user's own model
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """The policy `recommend` picks from measured results.
+
+    Attributes:
+        policy: String. The policy to train with.
+        stack: String. `"keras"` or `"tfmixprec"` (its CPU routes), as measured.
+        speedup: Float. Its throughput over float32's.
+        text: String. The printed line.
+    """
+
+    policy: str
+    stack: str
+    speedup: float
+    text: str
+
+
+def recommend(results: Sequence[BenchResult], margin: float = 1.05) -> Recommendation:
+    """The fastest measured policy, or float32 when no other ran `margin` times faster.
+
+    Args:
+        results: `BenchResult`s of one model, a float32 one among them.
+        margin: Float. How much faster than float32 a low precision must run to be
+            recommended over it (its rounding is not free).
+
+    Raises:
+        ValueError: If no result is float32.
+    """
+    base = [r for r in results if r.resolved_policy == "float32"]
+    if not base:
+        raise ValueError("recommend needs a float32 result to compare with; bench float32 too.")
+    others = [r for r in results if r.resolved_policy != "float32"]
+    best = max(others, key=lambda r: r.samples_per_s, default=None)
+    speedup = best.samples_per_s / base[0].samples_per_s if best else 1.0
+    auto = choose_policy(detect_hardware()).name
+    if best is None or speedup < margin:
+        ran = f" (best: {best.resolved_policy}, {best.stack}, {speedup:.2f}x)" if best else ""
+        text = f"recommended: float32: no other policy ran {margin:.2f}x float32 or faster{ran}"
+        if auto != "float32":
+            text += f"; set_policy('auto') picks {auto} here, but for this model use float32"
+        return Recommendation("float32", base[0].stack, 1.0, text + ".")
+    how = " through tfmixprec" if best.stack == "tfmixprec" else ""
+    text = f"recommended: {best.resolved_policy}{how}, {speedup:.2f}x float32"
+    if auto != best.resolved_policy:
+        text += f"; set_policy('auto') picks {auto} here"
+    return Recommendation(best.resolved_policy, best.stack, speedup, text + ".")
+
+
+# Benched for a model of the user's when no policies are given.
+MODEL_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+_SPEC_HELP = (
+    "Pass a built-in model (mlp, cnn, transformer), a zoo model (gpt2, llama, gemma, mistral, "
+    "bert, vit, resnet, mobilenet), or a function that builds and compiles yours: "
+    "MODULE:FUNCTION or FILE.py:FUNCTION"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A model to bench, built afresh under each policy.
+
+    Attributes:
+        name: String. The model's name in the table.
+        build: Callable `build() -> (model, dataset, batch)`: a compiled model, built under
+            the current global policy, and a repeated `tf.data.Dataset` of its batches.
+    """
+
+    name: str
+    build: Callable[[], tuple[keras.Model, tf.data.Dataset, int]]
+
+
+def load_function(spec: str) -> Callable[[], Any]:
+    """The function `MODULE:FUNCTION` or `FILE.py:FUNCTION` names (a file is run as a module).
+
+    Raises:
+        ValueError: If `spec` has another form, or names no importable function.
+    """
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise ValueError(f"Unknown model {spec!r}. {_SPEC_HELP}.")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise ValueError(f"No file {where!r} (from --model {spec!r}). {_SPEC_HELP}.")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as error:
+            raise ValueError(f"Cannot import {where!r} (from --model {spec!r}): {error}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"{where!r} has no function {name!r} (from --model {spec!r}).")
+    return function
+
+
+def synthetic_data(model: keras.Model, batch: int, seed: int = 0) -> tuple[Any, Any]:
+    """One batch for `model`: floats from N(0, 1) and integer inputs of ones (a valid token
+    and a full mask), in its inputs' structure; targets of zeros shaped like its outputs.
+
+    Raises:
+        ValueError: If the model has no symbolic inputs (a subclassed model) or one with an
+            unknown dimension.
+    """
+    rng = np.random.default_rng(seed)
+
+    def value(spec: Any) -> np.ndarray:
+        shape = (batch, *spec.shape[1:])
+        if None in shape:
+            raise ValueError(
+                f"The model's input {spec.name!r} has shape {tuple(spec.shape)}: bench cannot "
+                "make data for it. Return (model, x, y) from your function."
+            )
+        if "int" in str(spec.dtype) or "bool" in str(spec.dtype):
+            return np.ones(shape, str(spec.dtype))
+        return rng.normal(size=shape).astype(str(spec.dtype))
+
+    x = keras.tree.map_structure(value, _symbolic_inputs(model))
+    outputs = model(x, training=False)
+    return x, keras.tree.map_structure(lambda o: np.zeros(o.shape, "float32"), outputs)
+
+
+def _symbolic_inputs(model: keras.Model) -> Any:
+    """A functional model's inputs in their structure (a dict for KerasHub's), a
+    `Sequential`'s input tensor."""
+    try:
+        return model.input
+    except (AttributeError, ValueError):
+        inputs = getattr(model, "inputs", None)  # a Sequential has these only
+    if not inputs:
+        raise ValueError(
+            f"Model {model.name!r} has no symbolic inputs (a subclassed model): bench cannot "
+            "make data for it. Return (model, x, y) from your function."
+        )
+    return inputs[0] if len(inputs) == 1 else inputs
+
+
+def _model_and_batches(
+    spec: str, returned: Any, batch: int
+) -> tuple[keras.Model, tf.data.Dataset, int]:
+    model, *data = returned if isinstance(returned, tuple) else (returned,)
+    if not isinstance(model, keras.Model) or len(data) not in (0, 2, 3):
+        raise TypeError(
+            f"{spec} must return a compiled keras.Model, or (model, x, y) or (model, x, y, "
+            f"sample_weight). Received: {type(returned).__name__}"
+        )
+    if not model.compiled:
+        raise ValueError(
+            f"{spec} returned model {model.name!r} not compiled: compile it in the function "
+            "(model.compile(optimizer=..., loss=...)), as you train it."
+        )
+    if not data:
+        return model, tf.data.Dataset.from_tensors(synthetic_data(model, batch)).repeat(), batch
+    samples = len(keras.tree.flatten(data[0])[0])
+    if samples < batch:
+        raise ValueError(
+            f"{spec} returned {samples} samples, fewer than the batch size {batch}: return "
+            "more, or pass a smaller --batch-size."
+        )
+    batches = tf.data.Dataset.from_tensor_slices(tuple(data)).batch(batch, drop_remainder=True)
+    return model, batches.repeat(), batch
+
+
+def model_source(spec: str, batch: int | None = None) -> ModelSource:
+    """What `run_model_bench` benches for `spec`: a zoo model at its `"bench"` size, or the
+    model a function builds (`load_function`), with its data or `synthetic_data`."""
+    if spec in zoo.MODELS:
+
+        def build_zoo() -> tuple[keras.Model, tf.data.Dataset, int]:
+            entry = zoo.build(spec, size="bench")
+            entry.model.compile(optimizer="adam", loss=entry.loss)
+            x, y, weights = entry.data(4)
+            data = (x, y) if weights is None else (x, y, weights)
+            batches = tf.data.Dataset.from_tensor_slices(data).batch(entry.batch_size)
+            return entry.model, batches.repeat(), entry.batch_size
+
+        return ModelSource(spec, build_zoo)
+    function = load_function(spec)
+    size = 32 if batch is None else batch
+    return ModelSource(spec.rpartition(":")[2], lambda: _model_and_batches(spec, function(), size))
+
+
+def _source_variants(
+    source: ModelSource, policy: str, steps: int, hardware: Any, say: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """One variant per stack: float32 once; each low precision plain and through tfmixprec's
+    CPU routes, the latter only where a route changes a layer (else it is the same step);
+    float16 on a CPU only through the routes (plain Keras float16 there takes minutes a
+    step, benchmarks/RESULTS.md 2b)."""
+    resolved = choose_policy(hardware).name if policy == "auto" else check_policy_name(policy)
+    stacks = ["keras", "tfmixprec"]
+    if resolved == "float32":
+        stacks = ["keras"]
+    elif resolved == "mixed_float16" and not hardware.gpus and not hardware.tpus:
+        stacks = ["tfmixprec"]
+    variants = []
+    for stack in stacks:
+        with policy_scope(resolved, hardware):
+            keras.utils.set_random_seed(0)
+            net, data, batch = source.build()
+        if stack == "tfmixprec":
+            route_slow_cpu_kernels(net)
+            if variants and not any(route_of(layer) for layer in iter_layers(net)):
+                say(f"{resolved}, tfmixprec: no layer to route here, the same step as keras")
+                continue
+        variants.append(
+            dict(policy=policy, resolved=resolved, stack=stack, net=net, steps=steps, batch=batch)
+        )
+        variants[-1]["data"] = data
+    return variants
+
+
+def run_model_bench(
+    spec: str,
+    policies: Sequence[str] = MODEL_POLICIES,
+    batch: int | None = None,
+    steps: int = 10,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchResult]:
+    """Times `fit` steps of a zoo model or of your own under each policy, side by side.
+
+    Args:
+        spec: String. A zoo name (`tfmixprec.zoo.MODELS`), or `MODULE:FUNCTION` /
+            `FILE.py:FUNCTION`: a function that builds and compiles your model under the
+            global policy it finds, returning the model (bench makes `synthetic_data`) or
+            `(model, x, y)` / `(model, x, y, sample_weight)`. It is called once per variant.
+        policies: List of policy names (`"auto"` allowed); float32 is what ratios compare to.
+        batch: Int. Batch size for a function's model (default 32); a zoo model uses its own.
+        steps: Int. Steps per timed run.
+        repeats: Int. Timed runs per variant (the median is reported).
+        progress: Callable taking one line, or None (as in `run_bench`).
+
+    Returns:
+        List of `BenchResult`, for `recommend`.
+    """
+    hardware = detect_hardware()
+    source = model_source(spec, batch)
+    say = progress or (lambda line: None)
+    variants = [v for p in policies for v in _source_variants(source, p, steps, hardware, say)]
+    runs = _timed_runs(variants, repeats, say)
+    return [_result(source.name, v, runs[i]) for i, v in enumerate(variants)]

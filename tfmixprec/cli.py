@@ -114,6 +114,9 @@ def _print_demo_summary(
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Times each policy on a built-in model (`bench.run_bench`) or on a zoo model or your own
+    (`bench.run_model_bench`), prints the table and the policy to use (`bench.recommend`).
+    Exit 2 when the model cannot be built or benched."""
     from tfmixprec import bench
 
     machine = bench.describe_machine()
@@ -121,19 +124,40 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"machine: {machine['cpu']} ({machine['cores']} cores), GPUs: {machine['gpus'] or 'none'}; "
         f"TensorFlow {machine['tensorflow']}, Keras {machine['keras']}"
     )
-    results = bench.run_bench(
-        model=args.model,
-        policies=args.policies,
-        size=args.size,
+    progress = lambda line: print(f"bench: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        results = _bench_results(args, bench, progress)
+    except (ImportError, TypeError, ValueError) as err:
+        print(f"tfmixprec bench: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(bench.format_table(results))
+    if any(r.resolved_policy == "float32" for r in results):
+        print(bench.recommend(results).text)
+    return EXIT_OK
+
+
+def _bench_results(args: argparse.Namespace, bench: Any, progress: Any) -> list[Any]:
+    if args.model in bench.MODELS:  # built in
+        batch = args.batch_size or 256
+        return bench.run_bench(
+            model=args.model,
+            policies=args.policies or ["float32", "mixed_bfloat16", "auto"],
+            size=args.size,
+            batch=batch,
+            steps=args.steps,
+            repeats=args.repeats,
+            float16_steps=max(2, args.steps // 10),
+            float16_batch=min(batch, 16),
+            progress=progress,
+        )
+    return bench.run_model_bench(
+        args.model,
+        policies=args.policies or bench.MODEL_POLICIES,
         batch=args.batch_size,
         steps=args.steps,
         repeats=args.repeats,
-        float16_steps=max(2, args.steps // 10),
-        float16_batch=min(args.batch_size, 16),
-        progress=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True),
+        progress=progress,
     )
-    print(bench.format_table(results))
-    return EXIT_OK
 
 
 COMMANDS = {"doctor": cmd_doctor, "audit": cmd_audit, "demo": cmd_demo, "bench": cmd_bench}

@@ -18,16 +18,16 @@ them.
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Iterator
 from typing import Any
 
 import keras
 import tensorflow as tf
 
+from tfmixprec._cpu_route import cpu_only, route, route_of
 from tfmixprec._keras_compat import float32_convolution_call, float32_product_call
 from tfmixprec._layers import iter_layers
-from tfmixprec.hardware import HardwareInfo, detect_hardware
+from tfmixprec.hardware import HardwareInfo
 
 __all__ = [
     "applies",
@@ -40,12 +40,7 @@ __all__ = [
 ]
 
 _STATE = {"enabled": True, "remapper_was": None}  # process-wide TF config, like the policy
-_WRAPPED = "_tfmixprec_float32_product"
-
-
-def _on_cpu_only(hardware: HardwareInfo | None) -> bool:
-    hardware = detect_hardware() if hardware is None else hardware
-    return not hardware.gpus and not hardware.tpus
+ROUTE = "float32 product"  # the route these layers take (`_cpu_route.route_of`)
 
 
 def applies(policy: Any = None, hardware: HardwareInfo | None = None) -> bool:
@@ -56,7 +51,7 @@ def applies(policy: Any = None, hardware: HardwareInfo | None = None) -> bool:
         hardware: `HardwareInfo`; detected when `None`.
     """
     policy = keras.config.dtype_policy() if policy is None else keras.DTypePolicy(policy)
-    return _STATE["enabled"] and policy.compute_dtype == "float16" and _on_cpu_only(hardware)
+    return _STATE["enabled"] and policy.compute_dtype == "float16" and cpu_only(hardware)
 
 
 def route_around_fused_matmul(policy: Any = None, hardware: HardwareInfo | None = None) -> bool:
@@ -122,7 +117,7 @@ def _product_layers(model: keras.Model) -> list[Any]:
 def float16_product_layers(model: keras.Model) -> dict[str, bool]:
     """The float16 layers whose product `fast_float16_layers` computes in float32:
     `{layer name: True if it already does}` (whatever the hardware)."""
-    return {layer.name: bool(getattr(layer, _WRAPPED, False)) for layer in _product_layers(model)}
+    return {layer.name: route_of(layer) == ROUTE for layer in _product_layers(model)}
 
 
 def fast_float16_layers(model: keras.Model, hardware: HardwareInfo | None = None) -> list[str]:
@@ -149,15 +144,11 @@ def fast_float16_layers(model: keras.Model, hardware: HardwareInfo | None = None
     >>> tfmixprec.cpu_float16.fast_float16_layers(model)
     []
     """
-    if not _STATE["enabled"] or not _on_cpu_only(hardware):
+    if not _STATE["enabled"] or not cpu_only(hardware):
         return []
     layers = _product_layers(model)
     for layer in layers:
-        if not getattr(layer, _WRAPPED, False):
-            name, method = _float32_method(layer)
-            # An instance attribute: the class, saved configs and other models are untouched.
-            setattr(layer, name, types.MethodType(method, layer))
-            setattr(layer, _WRAPPED, True)
+        route(layer, ROUTE, *_float32_method(layer))
     return [layer.name for layer in layers]
 
 

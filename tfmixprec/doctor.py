@@ -1,7 +1,8 @@
 """The `doctor()` report: versions, devices, what they are good at, and the policy to use.
 
-It reads `hardware` and `policy` (whose note on float16 without a GPU says what `cpu_float16`
-does on this machine); nothing in the package imports it back.
+It reads `hardware`, `policy` (whose note on float16 without a GPU says what `cpu_float16`
+does on this machine) and `cpu_bfloat16` (its routes on this CPU); nothing in the package
+imports it back.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmixprec import cpu_bfloat16
 from tfmixprec.hardware import BF16_CPU_FLAGS, HardwareInfo, detect_hardware
 from tfmixprec.policy import choose_policy, float16_without_gpu_note
 
@@ -29,6 +31,7 @@ class DoctorReport:
     reason: str
     current_policy: str
     warnings: list[str]
+    bfloat16_routes: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -60,11 +63,19 @@ class DoctorReport:
         else:
             lines.append("  GPUs              none")
         lines.append(f"  TPUs              {hw.tpus}")
+        lines.append(f"  bfloat16 routes   {self._routes_line()}")
         lines.append(f"  current policy    {self.current_policy}")
         lines.append(f"  recommended       {self.recommended_policy}: {self.reason}")
         for warning in self.warnings:
             lines.append(f"  WARNING: {warning}")
         return "\n".join(lines)
+
+    def _routes_line(self) -> str:
+        if self.bfloat16_routes:
+            return ", ".join(self.bfloat16_routes) + " (tfmixprec.cpu_bfloat16)"
+        if cpu_bfloat16.routes_on(self.hardware):
+            return "off (tfmixprec.cpu_bfloat16.enable() turns them on)"
+        return "none on this machine"
 
 
 def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> DoctorReport:
@@ -98,6 +109,7 @@ def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> D
             "the global policy is mixed_bfloat16 but this CPU has no AVX512_BF16/AMX_BF16: "
             "bfloat16 is emulated and slower than float32. Use tfmixprec.set_policy('float32')."
         )
+    routes = cpu_bfloat16.status(hardware)
     report = DoctorReport(
         tensorflow_version=tf.__version__,
         keras_version=keras.__version__,
@@ -106,6 +118,7 @@ def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> D
         reason=choice.reason,
         current_policy=current,
         warnings=warnings,
+        bfloat16_routes=routes["routes"] if routes["enabled"] else [],
     )
     if print_report:
         print(report)

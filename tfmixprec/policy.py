@@ -91,7 +91,8 @@ def choose_policy(hardware: HardwareInfo | None = None) -> PolicyChoice:
         return PolicyChoice(
             "mixed_bfloat16",
             f"no GPU; the CPU ({hw.cpu_name or 'unknown'}) has {flags}: bfloat16 matmuls run "
-            "natively (measured 2.3x faster than float32 on a Sapphire Rapids Xeon).",
+            "natively (about 2x float32). A whole model gains less, some nothing (a MobileNet "
+            "measured 0.95x float32): `tfmixprec bench --model` measures yours.",
         )
     return PolicyChoice(
         "float32",

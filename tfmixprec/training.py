@@ -17,7 +17,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfmixprec import cpu_float16
+from tfmixprec import cpu_bfloat16, cpu_float16
 from tfmixprec._fit_hooks import FitWatch, ProgressBar
 from tfmixprec._keras_compat import Functional, MultiWorkerFit, functional_init_arguments
 from tfmixprec._layers import iter_layers
@@ -49,10 +49,14 @@ def _computes_in(model: Any, dtype: str) -> bool:
     return any(layer.dtype_policy.compute_dtype == dtype for layer in iter_layers(model))
 
 
-def _route_around_slow_cpu_kernels(model: Any) -> None:
-    """float16 without a GPU: the remapper off, convolution/Dense products in float32."""
-    cpu_float16.route_around_fused_matmul("mixed_float16")
-    cpu_float16.fast_float16_layers(model)
+def route_slow_cpu_kernels(model: Any) -> None:
+    """float16 without a GPU: the remapper off, convolution/Dense products in float32
+    (`cpu_float16`); bfloat16 layers on a CPU: the routes of `cpu_bfloat16`. What `compile`
+    and `make_train_step` do to a model (`tfmixprec bench` too); nothing on a GPU."""
+    if _computes_in(model, "float16"):
+        cpu_float16.route_around_fused_matmul("mixed_float16")
+        cpu_float16.fast_float16_layers(model)
+    cpu_bfloat16.fast_bfloat16_layers(model)
 
 
 def _ensure_loss_scale_optimizer(
@@ -123,8 +127,7 @@ def _optimizer_for(
             UserWarning,
             stacklevel=3,
         )
-    if float16:
-        _route_around_slow_cpu_kernels(model)
+    route_slow_cpu_kernels(model)
     return optimizer
 
 
