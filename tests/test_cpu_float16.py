@@ -320,3 +320,44 @@ def test_every_convolution_kind_is_routed_by_the_kernel_that_runs(kind):
     assert _float16_convolutions(layer, x) == []
     after = np.asarray(layer(x), "float32")
     np.testing.assert_allclose(after, before, rtol=4 * 2.0**-10, atol=4 * 2.0**-10)
+
+
+def _attention_model():
+    with tfmixprec.policy_scope("mixed_float16"):
+        keras.utils.set_random_seed(7)
+        tokens = keras.Input((6, 16))
+        attention = keras.layers.MultiHeadAttention(2, key_dim=8, dropout=0.1, name="attention")
+        h = attention(tokens, tokens)  # dropout: the einsum path (GPT-2, BERT take it)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        return keras.Model(tokens, keras.layers.Dense(3, dtype="float32", name="out")(h))
+
+
+def test_float16_attention_computes_its_products_in_float32():
+    """Attention's score and value products: in float16 they run Eigen's einsum on a CPU;
+    routed, in float32 from float16 projections, the output cast back to float16."""
+    plain, routed = _attention_model(), _attention_model()
+    routed.set_weights(plain.get_weights())
+    assert "attention" in cpu_float16.fast_float16_layers(routed, CPU_ONLY)
+    assert cpu_float16.float16_product_layers(routed)["attention"] is True
+    assert "_compute_attention" in vars(routed.get_layer("attention"))
+    assert "_compute_attention" not in vars(plain.get_layer("attention"))
+    x = np.random.default_rng(0).normal(size=(4, 6, 16)).astype("float32")
+    layer_out = routed.get_layer("attention")(x, x)
+    assert layer_out.dtype == tf.float16  # the layer's output dtype is unchanged
+    a, b = plain(x).numpy(), routed(x).numpy()
+    # float16 scores and weighted values rounded once less: within a few float16 roundoffs.
+    np.testing.assert_allclose(b, a, rtol=0, atol=8 * 2.0**-11 * np.max(np.abs(a)))
+    assert not np.array_equal(a, b)  # really other products
+
+
+def test_a_float16_attention_overflow_still_overflows_when_routed():
+    """Scores past 65504 are `inf` at the softmax's float16 cast, routed or not."""
+    plain, routed = _attention_model(), _attention_model()
+    weights = plain.get_layer("attention").get_weights()
+    weights[:4] = [np.ones_like(w) for w in weights[:4]]  # query and key: sums of the input
+    plain.get_layer("attention").set_weights(weights)
+    routed.set_weights(plain.get_weights())
+    cpu_float16.fast_float16_layers(routed, CPU_ONLY)
+    x = np.full((1, 6, 16), 100.0, "float32")  # each score 8 * 1601^2 / sqrt(8): past 65504
+    assert not np.isfinite(plain(x).numpy()).all()
+    assert not np.isfinite(routed(x).numpy()).all()

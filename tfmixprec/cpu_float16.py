@@ -1,14 +1,17 @@
 """float16 at float32 speed on CPUs: route around TensorFlow's slow float16 CPU kernels.
 
 Some of TensorFlow's float16 CPU kernels are many times slower than float32 (the figures,
-per machine: benchmarks/RESULTS.md, 2b, and `python benchmarks/cpu_kernels.py`). Three
+per machine: benchmarks/RESULTS.md, 2b, and `python benchmarks/cpu_kernels.py`). Four
 workarounds, on by default where a float16 policy meets a machine without a GPU or TPU:
 
 - float16 convolution layers compute their convolution in float32 (inputs and kernel cast
   up, the output cast back), so the forward pass and both gradients run float32 kernels;
 - grappler's remapper is turned off (process-wide, as the policy is), so MatMul + BiasAdd is
   not fused into `_FusedMatMul`, whose float16 CPU kernel is slow on some CPUs;
-- float16 `Dense` and `EinsumDense` layers compute their product in float32 the same way.
+- float16 `Dense` and `EinsumDense` layers compute their product in float32 the same way;
+- float16 `MultiHeadAttention` layers (KerasHub's attention too) compute their score and value
+  products in float32: in float16 they run Eigen's einsum, not oneDNN's (199 ms of op time
+  on a GPT-2 step, against 145 in float32; benchmarks/RESULTS.md, 11).
 
 A layer's output, variables and saved file are unchanged; values agree within float16
 rounding, and an overflow past float16's range is still `inf`. `enable` / `disable` switch
@@ -25,7 +28,11 @@ import keras
 import tensorflow as tf
 
 from tfmixprec._cpu_route import cpu_only, route, route_of
-from tfmixprec._keras_compat import float32_convolution_call, float32_product_call
+from tfmixprec._keras_compat import (
+    float32_attention,
+    float32_convolution_call,
+    float32_product_call,
+)
 from tfmixprec._layers import iter_layers
 from tfmixprec.hardware import HardwareInfo
 
@@ -93,6 +100,9 @@ _CONVOLUTION_CALLS = (
 )
 
 
+_ATTENTION = keras.layers.MultiHeadAttention._compute_attention
+
+
 def _float32_method(layer: Any) -> tuple[str, Any] | None:
     if getattr(layer, "quantization_mode", None) is not None:
         return None
@@ -103,6 +113,8 @@ def _float32_method(layer: Any) -> tuple[str, Any] | None:
         return "call", float32_convolution_call
     if any(call is cls.call for cls in _PRODUCT_CLASSES):
         return "call", float32_product_call
+    if getattr(type(layer), "_compute_attention", None) is _ATTENTION:  # KerasHub's too
+        return "_compute_attention", float32_attention
     return None
 
 
@@ -121,8 +133,8 @@ def float16_product_layers(model: keras.Model) -> dict[str, bool]:
 
 
 def fast_float16_layers(model: keras.Model, hardware: HardwareInfo | None = None) -> list[str]:
-    """Makes the float16 convolution, `Dense` and `EinsumDense` layers of `model` compute
-    their products in float32, on CPUs only.
+    """Makes the float16 convolution, `Dense`, `EinsumDense` and `MultiHeadAttention` layers
+    of `model` compute their products in float32, on CPUs only.
 
     Inputs and kernel are cast up and the product cast back to float16: the layer's output,
     its variables and its saved file are unchanged, the values agree within float16
