@@ -299,7 +299,6 @@ def test_bench_your_own_model_errors(tmp_path, model, message):
 def test_bench_model_names_match_the_package():
     """The parser names the models without importing tfmixprec: the same names."""
     import _tfmixprec_cli
-
     from tfmixprec import bench, zoo
 
     assert _tfmixprec_cli.BENCH_MODELS == bench.MODELS
