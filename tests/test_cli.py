@@ -231,6 +231,18 @@ def not_compiled():
     return keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
 
 
+def raises():
+    raise RuntimeError("no GPU quota")
+
+
+def two_inputs():
+    a, b = keras.Input((4,)), keras.Input((6,))
+    joined = keras.layers.Concatenate()([keras.layers.Dense(8)(a), keras.layers.Dense(8)(b)])
+    model = keras.Model([a, b], keras.layers.Dense(2, dtype="float32")(joined), name="two")
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
 def language_model():
     tokens = keras.Input((8,), dtype="int32")
     embedding = keras.layers.ReversibleEmbedding(64, 16, name="embedding")
@@ -272,6 +284,22 @@ def test_bench_your_own_model(tmp_path):
     stacks = [line.split()[2] for line in out.splitlines() if line.startswith("language_model ")]
     routed = bool(tfmixprec.cpu_bfloat16.routes_on())
     assert stacks == ["keras", "keras", "tfmixprec"] if routed else ["keras", "keras"]
+    # A module in the current folder, as `python -m` finds it; a model with two inputs.
+    code, out, err = run(
+        "bench",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--policies",
+        "float32",
+        "mixed_bfloat16",
+        "--model",
+        "models:two_inputs",
+        cwd=tmp_path,
+    )
+    assert code == 0, err[-2000:]
+    assert len([line for line in out.splitlines() if line.startswith("two_inputs ")]) == 2
     code, out, err = run(*args, "--model", "models.py:with_data", "--batch-size", "8", cwd=tmp_path)
     assert code == 0, err[-2000:]
     batches = [line.split()[3] for line in out.splitlines() if line.startswith("with_data ")]
@@ -286,10 +314,20 @@ def test_bench_your_own_model(tmp_path):
         ("models.py:nothing", "'models.py' has no function 'nothing'"),
         ("models.py:not_compiled", "returned model 'sequential' not compiled: compile it"),
         ("models.py:with_data", "returned 8 samples, fewer than the batch size 32"),
+        (
+            "models.py:raises",
+            "--model 'models.py:raises': calling it raised RuntimeError: no GPU quota. Fix it "
+            "there (run it in Python for the traceback).",
+        ),
+        (
+            "broken.py:build",
+            "--model 'broken.py:build': importing 'broken.py' raised SyntaxError: ",
+        ),
     ],
 )
 def test_bench_your_own_model_errors(tmp_path, model, message):
     (tmp_path / "models.py").write_text(USER_MODELS)
+    (tmp_path / "broken.py").write_text("def build(:\n")
     code, out, err = run("bench", "--model", model, "--steps", "2", "--repeats", "1", cwd=tmp_path)
     assert code == 2
     assert "tfmixprec bench: error: " in err and message in err, err[-2000:]
@@ -323,6 +361,8 @@ def test_recommend_from_results():
     )
     with pytest.raises(ValueError, match="recommend needs a float32 result"):
         recommend([result("mixed_bfloat16", "keras", 50)])
+    with pytest.raises(ValueError, match="recommend needs a result under another policy"):
+        recommend([result("float32", "keras", 50)])
 
 
 # ------------------------------------------------------------------ a quiet, fast command

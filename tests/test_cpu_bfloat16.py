@@ -192,6 +192,26 @@ def test_a_table_only_looked_up_has_no_product_to_route():
 
 
 @needs_reversible
+def test_a_routed_table_moved_to_float16_computes_as_keras_does():
+    """Only bfloat16 logits are computed in the compute dtype: a routed layer set to another
+    policy later (float16 here) multiplies in float32, as Keras does against its table."""
+    with tfmixprec.policy_scope("mixed_bfloat16"):
+        plain, routed = _language_model(), _language_model()
+    table = plain.get_layer("embedding")
+    table.set_weights([np.full_like(w, 0.1) for w in table.get_weights()])
+    routed.set_weights(plain.get_weights())
+    cpu_bfloat16.fast_bfloat16_layers(routed, AVX512_BF16)
+    for model in (plain, routed):
+        model.get_layer("embedding").dtype_policy = keras.DTypePolicy("mixed_float16")
+    hidden = np.full((2, 8, 32), 60000.0, "float32")  # logits 32 * 6000: past 65504
+    expected = plain.get_layer("embedding")(hidden, reverse=True)
+    got = routed.get_layer("embedding")(hidden, reverse=True)
+    assert got.dtype == expected.dtype == "float32"
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    assert np.max(np.abs(np.asarray(got))) > 65504 and np.isfinite(np.asarray(got)).all()
+
+
+@needs_reversible
 def test_a_chosen_reverse_dtype_is_left_alone():
     with tfmixprec.policy_scope("mixed_bfloat16"):
         model = _language_model()
@@ -249,12 +269,29 @@ def test_audit_reports_routes_to_take_then_taken():
     assert "tfmixprec.cpu_bfloat16.fast_bfloat16_layers(model)" in found.fix
     assert "cpu-bfloat16-kernels" not in codes(tfmixprec.audit(model, hardware=WITH_GPU))
     assert "cpu-bfloat16-kernels" not in codes(tfmixprec.audit(model, hardware=NO_BF16))
+    cpu_bfloat16.disable()
+    try:  # switched off: nothing to say (fast_bfloat16_layers would route nothing)
+        assert "cpu-bfloat16-kernels" not in codes(tfmixprec.audit(model, hardware=AVX512_BF16))
+    finally:
+        cpu_bfloat16.enable()
     cpu_bfloat16.fast_bfloat16_layers(model, AVX512_BF16)
     after = codes(tfmixprec.audit(model, hardware=AVX512_BF16))
     assert "cpu-bfloat16-kernels" not in after
     assert after["cpu-bfloat16-routed"].message == (
         "1 bfloat16 layer(s) take a tfmixprec.cpu_bfloat16 route: 'embedding' (bfloat16 logits)."
     )
+
+
+def test_audit_of_a_kerashub_backbone_finds_no_logits():
+    """GPT-2's table is called in reverse by the task model, not by its backbone alone."""
+    pytest.importorskip("keras_hub")
+    from tfmixprec import zoo
+
+    with tfmixprec.policy_scope("mixed_bfloat16"):
+        entry = zoo.build("gpt2", size="tiny")
+    findings = lambda m: [f.code for f in tfmixprec.audit(m, hardware=AVX512_BF16).findings]  # noqa: E731
+    assert "cpu-bfloat16-kernels" in findings(entry.model)
+    assert "cpu-bfloat16-kernels" not in findings(entry.model.backbone)
 
 
 def test_kerashub_gpt2_routed_trains_like_plain_bfloat16_under_two_replicas(two_cpu_strategy):

@@ -167,9 +167,9 @@ def test_float16_dense_and_einsum_dense_compute_their_product_in_float32():
     model = _transformer_bits()
     assert cpu_float16.fast_float16_layers(model, WITH_GPU) == []
     changed = cpu_float16.fast_float16_layers(model, CPU_ONLY)
-    # The four EinsumDense of the attention and the float16 Dense; not the subclass with
-    # its own call, not the float32 head.
-    assert sorted(changed) == ["attention_output", "ffn", "key", "query", "value"]
+    # The four EinsumDense of the attention, its score and value products, and the float16
+    # Dense; not the subclass with its own call, not the float32 head.
+    assert sorted(changed) == ["attention_output", "ffn", "key", "mha", "query", "value"]
     ffn = model.get_layer("ffn")
     assert "call" in vars(ffn) and "call" not in vars(model.get_layer("own_call"))
     assert ffn(tf.ones((1, 6, 16))).dtype == tf.float16
@@ -322,12 +322,13 @@ def test_every_convolution_kind_is_routed_by_the_kernel_that_runs(kind):
     np.testing.assert_allclose(after, before, rtol=4 * 2.0**-10, atol=4 * 2.0**-10)
 
 
-def _attention_model():
+def _attention_model(dropout=0.1, causal=False):
     with tfmixprec.policy_scope("mixed_float16"):
         keras.utils.set_random_seed(7)
         tokens = keras.Input((6, 16))
-        attention = keras.layers.MultiHeadAttention(2, key_dim=8, dropout=0.1, name="attention")
-        h = attention(tokens, tokens)  # dropout: the einsum path (GPT-2, BERT take it)
+        attention = keras.layers.MultiHeadAttention(2, key_dim=8, dropout=dropout, name="attention")
+        # dropout: Keras's explicit path (GPT-2, BERT take it); none: dot_product_attention
+        h = attention(tokens, tokens, use_causal_mask=causal)
         h = keras.layers.GlobalAveragePooling1D()(h)
         return keras.Model(tokens, keras.layers.Dense(3, dtype="float32", name="out")(h))
 
@@ -350,9 +351,11 @@ def test_float16_attention_computes_its_products_in_float32():
     assert not np.array_equal(a, b)  # really other products
 
 
-def test_a_float16_attention_overflow_still_overflows_when_routed():
-    """Scores past 65504 are `inf` at the softmax's float16 cast, routed or not."""
-    plain, routed = _attention_model(), _attention_model()
+@pytest.mark.parametrize("dropout, causal", [(0.1, False), (0.0, False), (0.0, True)])
+def test_a_float16_attention_overflow_still_overflows_when_routed(dropout, causal):
+    """Scores past 65504 are `inf`, routed or not: at the softmax's float16 cast on Keras's
+    explicit path; `dot_product_attention`'s path (no softmax layer) is left in float16."""
+    plain, routed = _attention_model(dropout, causal), _attention_model(dropout, causal)
     weights = plain.get_layer("attention").get_weights()
     weights[:4] = [np.ones_like(w) for w in weights[:4]]  # query and key: sums of the input
     plain.get_layer("attention").set_weights(weights)

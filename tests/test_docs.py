@@ -199,6 +199,7 @@ def shell_commands(script: str) -> list[list[str]]:
     comments and `$(...)` substitutions dropped (join `\\` line continuations first)."""
     lexer = shlex.shlex(_without_comments(script), posix=True, punctuation_chars=";&|()<>")
     lexer.whitespace = " \t\r"  # newlines end a command: they come back as tokens
+    lexer.wordchars += ":"  # in bash a word (`tfmixprec bench --model FILE.py:FUNCTION`)
     lexer.commenters = ""
     commands, words, depth, redirect = [], [], 0, False
     for token in lexer:

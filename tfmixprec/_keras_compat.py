@@ -548,7 +548,9 @@ def compute_dtype_reverse_call(layer: Any, inputs: Any, reverse: bool = False) -
     """`ReversibleEmbedding.call` with the reverse product in the layer's compute dtype."""
     if not reverse:
         return type(layer).call(layer, inputs, reverse=False)
-    dtype = layer.compute_dtype
+    # bfloat16 only: under another policy (a layer moved to float16 later) the product stays
+    # in float32, as Keras computes it against the float32 table.
+    dtype = "bfloat16" if layer.compute_dtype == "bfloat16" else "float32"
     if layer.tie_weights:
         kernel = keras.ops.transpose(keras.ops.cast(layer.embeddings, dtype))
     else:
@@ -565,12 +567,18 @@ def compute_dtype_reverse_call(layer: Any, inputs: Any, reverse: bool = False) -
 # step, 199 ms of op time against 145 for the same products in float32). Keras's
 # `MultiHeadAttention` computes them in `_compute_attention`, which its docstring invites
 # subclasses to override (Keras 3.12 to 3.15); this runs Keras's own with the projected
-# query, key and value cast to float32, and casts the output back. The softmax layer still
-# casts the scores to its float16 policy, so a score past 65504 is `inf` there, as in float16.
+# query, key and value cast to float32, and casts the output back, on Keras's explicit path
+# only (dropout, attention scores returned, or not 4-D): there the softmax layer casts the
+# scores to its float16 policy, so a score past 65504 is `inf`, as in float16. On its other
+# path (`ops.dot_product_attention`, no softmax layer) float32 scores could not overflow, so
+# that path runs in float16, as Keras runs it.
 def float32_attention(
     layer: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """`MultiHeadAttention._compute_attention` with the products in float32."""
+    returns_scores = kwargs.get("return_attention_scores", args[2] if len(args) > 2 else False)
+    if not (layer._dropout > 0.0 or returns_scores or len(query.shape) != 4):
+        return type(layer)._compute_attention(layer, query, key, value, *args, **kwargs)
     output, scores = type(layer)._compute_attention(
         layer,
         tf.cast(query, tf.float32),

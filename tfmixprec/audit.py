@@ -13,6 +13,7 @@ from typing import Any
 import keras
 
 from tfmixprec import cpu_bfloat16, cpu_float16
+from tfmixprec._cpu_route import route_of
 from tfmixprec._layers import check_built_model, float32_on_purpose, is_container, iter_layers
 from tfmixprec._model_file import load_model_file
 from tfmixprec._observe import Observation, observe, policies_swapped
@@ -456,7 +457,13 @@ def _cpu_bfloat16_kernels(model: keras.Model, context: _AuditContext) -> list[Fi
     """bfloat16 layers that a `cpu_bfloat16` route serves on this CPU: routed or not yet."""
     if not context.cpu_only:
         return []
-    served = cpu_bfloat16.bfloat16_route_layers(model, context.hardware)
+    served = {
+        layer.name: (route.name, route_of(layer) == route.name)
+        for layer, route in cpu_bfloat16.served_layers(model, context.hardware)
+        # a table's logits only where this model's observed call computes them
+        if route.name != "bfloat16 logits"
+        or any(call.float_input for call in context.observation.calls_of(layer))
+    }
     if not served:
         return []
     shown = ", ".join(f"{name!r} ({route})" for name, (route, _) in list(served.items())[:3])

@@ -6,14 +6,17 @@ Used by `tfmixprec bench` and `benchmarks/speedup.py`. Runs alternate between th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import os
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -384,17 +387,19 @@ def recommend(results: Sequence[BenchResult], margin: float = 1.05) -> Recommend
             recommended over it (its rounding is not free).
 
     Raises:
-        ValueError: If no result is float32.
+        ValueError: If no result is float32, or none is under another policy.
     """
     base = [r for r in results if r.resolved_policy == "float32"]
     if not base:
         raise ValueError("recommend needs a float32 result to compare with; bench float32 too.")
     others = [r for r in results if r.resolved_policy != "float32"]
-    best = max(others, key=lambda r: r.samples_per_s, default=None)
-    speedup = best.samples_per_s / base[0].samples_per_s if best else 1.0
+    if not others:
+        raise ValueError("recommend needs a result under another policy than float32 too.")
+    best = max(others, key=lambda r: r.samples_per_s)
+    speedup = best.samples_per_s / base[0].samples_per_s
     auto = choose_policy(detect_hardware()).name
-    if best is None or speedup < margin:
-        ran = f" (best: {best.resolved_policy}, {best.stack}, {speedup:.2f}x)" if best else ""
+    if speedup < margin:
+        ran = f" (best: {best.resolved_policy}, {best.stack}, {speedup:.2f}x)"
         text = f"recommended: float32: no other policy ran {margin:.2f}x float32 or faster{ran}"
         if auto != "float32":
             text += f"; set_policy('auto') picks {auto} here, but for this model use float32"
@@ -438,22 +443,47 @@ def load_function(spec: str) -> Callable[[], Any]:
     where, _, name = spec.rpartition(":")
     if not where or not name.isidentifier():
         raise ValueError(f"Unknown model {spec!r}. {_SPEC_HELP}.")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ValueError(f"No file {where!r} (from --model {spec!r}). {_SPEC_HELP}.")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as error:
-            raise ValueError(f"Cannot import {where!r} (from --model {spec!r}): {error}") from None
+    if where.endswith(".py") and not Path(where).is_file():
+        raise ValueError(f"No file {where!r} (from --model {spec!r}). {_SPEC_HELP}.")
+    with _user_code(spec, f"importing {where!r}"):
+        module = _import(where)
     function = getattr(module, name, None)
     if not callable(function):
         raise ValueError(f"{where!r} has no function {name!r} (from --model {spec!r}).")
     return function
+
+
+def _import(where: str) -> Any:
+    """A file run as a module, or a module imported as `python -m` would: from the current
+    folder first (a console script does not put it on the path)."""
+    if where.endswith(".py"):
+        path = Path(where)
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(where)
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+
+
+@contextlib.contextmanager
+def _user_code(spec: str, doing: str) -> Iterator[None]:
+    """The user's code failing, as one error that names it (its traceback: run it in Python)."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        raise ValueError(f"Cannot import {error.name!r} (from --model {spec!r}): {error}") from None
+    except Exception as error:  # noqa: BLE001 (the user's code may raise anything)
+        raise ValueError(
+            f"--model {spec!r}: {doing} raised {type(error).__name__}: {error}. Fix it there "
+            "(run it in Python for the traceback)."
+        ) from None
 
 
 def synthetic_data(model: keras.Model, batch: int, seed: int = 0) -> tuple[Any, Any]:
@@ -497,6 +527,16 @@ def _symbolic_inputs(model: keras.Model) -> Any:
     return inputs[0] if len(inputs) == 1 else inputs
 
 
+def _tuples(value: Any) -> Any:
+    """Lists as tuples, nested: `tf.data` reads a list as one tensor, a tuple as a structure
+    (a model with several inputs)."""
+    if isinstance(value, list | tuple):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
+
+
 def _model_and_batches(
     spec: str, returned: Any, batch: int
 ) -> tuple[keras.Model, tf.data.Dataset, int]:
@@ -512,7 +552,9 @@ def _model_and_batches(
             "(model.compile(optimizer=..., loss=...)), as you train it."
         )
     if not data:
-        return model, tf.data.Dataset.from_tensors(synthetic_data(model, batch)).repeat(), batch
+        one = _tuples(synthetic_data(model, batch))
+        return model, tf.data.Dataset.from_tensors(one).repeat(), batch
+    data = _tuples(data)
     samples = len(keras.tree.flatten(data[0])[0])
     if samples < batch:
         raise ValueError(
@@ -539,7 +581,13 @@ def model_source(spec: str, batch: int | None = None) -> ModelSource:
         return ModelSource(spec, build_zoo)
     function = load_function(spec)
     size = 32 if batch is None else batch
-    return ModelSource(spec.rpartition(":")[2], lambda: _model_and_batches(spec, function(), size))
+
+    def build_function() -> tuple[keras.Model, tf.data.Dataset, int]:
+        with _user_code(spec, "calling it"):
+            returned = function()
+        return _model_and_batches(spec, returned, size)
+
+    return ModelSource(spec.rpartition(":")[2], build_function)
 
 
 def _source_variants(
@@ -557,7 +605,9 @@ def _source_variants(
         stacks = ["tfmixprec"]
     variants = []
     for stack in stacks:
-        with policy_scope(resolved, hardware):
+        with policy_scope(resolved, hardware), warnings.catch_warnings():
+            # float16 without a GPU: bench measures it on purpose (set_policy's warning).
+            warnings.filterwarnings("ignore", "mixed_float16 without a GPU", UserWarning)
             keras.utils.set_random_seed(0)
             net, data, batch = source.build()
         if stack == "tfmixprec":

@@ -131,7 +131,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"tfmixprec bench: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     print(bench.format_table(results))
-    if any(r.resolved_policy == "float32" for r in results):
+    policies = {r.resolved_policy for r in results}
+    if "float32" in policies and len(policies) > 1:  # something to compare float32 with
         print(bench.recommend(results).text)
     return EXIT_OK
 

@@ -9,9 +9,11 @@ workarounds, on by default where a float16 policy meets a machine without a GPU 
 - grappler's remapper is turned off (process-wide, as the policy is), so MatMul + BiasAdd is
   not fused into `_FusedMatMul`, whose float16 CPU kernel is slow on some CPUs;
 - float16 `Dense` and `EinsumDense` layers compute their product in float32 the same way;
-- float16 `MultiHeadAttention` layers (KerasHub's attention too) compute their score and value
-  products in float32: in float16 they run Eigen's einsum, not oneDNN's (199 ms of op time
-  on a GPT-2 step, against 145 in float32; benchmarks/RESULTS.md, 11).
+- float16 `MultiHeadAttention` layers (KerasHub's attention too) with dropout compute their
+  score and value products in float32: in float16 they run Eigen's einsum, not oneDNN's (199
+  ms of op time on a GPT-2 step, against 145 in float32; benchmarks/RESULTS.md, 11). Without
+  dropout Keras takes `dot_product_attention`, which has no float16 cast of the scores to
+  keep an overflow visible, so that path stays in float16.
 
 A layer's output, variables and saved file are unchanged; values agree within float16
 rounding, and an overflow past float16's range is still `inf`. `enable` / `disable` switch
