@@ -29,7 +29,7 @@ WITH_GPU = HardwareInfo(
 BF16_EPS = 2.0**-8  # bfloat16's unit roundoff (8 significand bits): half its epsilon 2^-7
 
 needs_reversible = pytest.mark.skipif(
-    REVERSIBLE_EMBEDDING is None, reason="keras.layers.ReversibleEmbedding is Keras >= 3.13"
+    REVERSIBLE_EMBEDDING is None, reason="this Keras has no keras.layers.ReversibleEmbedding"
 )
 
 

@@ -527,10 +527,9 @@ def float32_convolution_call(layer: Any, inputs: Any) -> Any:
 # autocast an embedding's variables, so under `mixed_bfloat16` its `call(reverse=True)`
 # multiplies bfloat16 activations by the float32 table, and the product runs in float32.
 # Its public `reverse_dtype` would change that, but it is saved in the layer's config and
-# leaves the logits in bfloat16; this re-implements Keras's reverse `call` (Keras 3.13 to
-# 3.15; older Keras has no `keras.layers.ReversibleEmbedding`, and nothing is routed there)
-# with the product in the compute dtype and the logits returned in float32, as Keras returns
-# them.
+# leaves the logits in bfloat16; this re-implements Keras's reverse `call` (Keras 3.12 to
+# 3.15; a Keras without `keras.layers.ReversibleEmbedding` has nothing routed) with the product
+# in the compute dtype and the logits returned in float32, as Keras returns them.
 REVERSIBLE_EMBEDDING = getattr(keras.layers, "ReversibleEmbedding", None)
 
 

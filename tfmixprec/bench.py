@@ -399,7 +399,7 @@ def recommend(results: Sequence[BenchResult], margin: float = 1.05) -> Recommend
     speedup = best.samples_per_s / base[0].samples_per_s
     auto = choose_policy(detect_hardware()).name
     if speedup < margin:
-        ran = f" (best: {best.resolved_policy}, {best.stack}, {speedup:.2f}x)"
+        ran = f" (best: {best.resolved_policy}, {best.stack}, {speedup:.3f}x)"  # 1.045x < 1.05
         text = f"recommended: float32: no other policy ran {margin:.2f}x float32 or faster{ran}"
         if auto != "float32":
             text += f"; set_policy('auto') picks {auto} here, but for this model use float32"
