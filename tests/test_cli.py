@@ -243,6 +243,12 @@ def two_inputs():
     return model
 
 
+def sparse_labels():  # its loss needs integer labels: bench's made-up targets do not fit
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
 def language_model():
     tokens = keras.Input((8,), dtype="int32")
     embedding = keras.layers.ReversibleEmbedding(64, 16, name="embedding")
@@ -306,6 +312,11 @@ def test_bench_your_own_model(tmp_path):
             "models.py:raises",
             "--model 'models.py:raises': calling it raised RuntimeError: no GPU quota. Fix it "
             "there (run it in Python for the traceback).",
+        ),
+        (
+            "models.py:sparse_labels",
+            "--model 'models.py:sparse_labels': training its model (on made-up data unless it "
+            "returns (model, x, y)) raised ",
         ),
         (
             "broken.py:build",

@@ -650,5 +650,6 @@ def run_model_bench(
     source = model_source(spec, batch)
     say = progress or (lambda line: None)
     variants = [v for p in policies for v in _source_variants(source, p, steps, hardware, say)]
-    runs = _timed_runs(variants, repeats, say)
+    with _user_code(spec, "training its model (on made-up data unless it returns (model, x, y))"):
+        runs = _timed_runs(variants, repeats, say)
     return [_result(source.name, v, runs[i]) for i, v in enumerate(variants)]
