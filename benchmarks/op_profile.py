@@ -96,9 +96,7 @@ def profile(args: argparse.Namespace, stack: str) -> tuple[float, collections.Co
         entry.model.compile(optimizer="adam", loss=entry.loss)
     if stack == "bf16 tfmixprec":
         tfmixprec.cpu_bfloat16.fast_bfloat16_layers(entry.model)
-    x, y, weights = entry.data(2)
-    data = (x, y) if weights is None else (x, y, weights)
-    dataset = tf.data.Dataset.from_tensor_slices(data).batch(entry.batch_size).repeat()
+    dataset = entry.dataset(2)
     bench.time_fit(entry.model, dataset, 3)  # traced and warm
     step = bench.time_fit(entry.model, dataset, args.steps + 1).per_step
     with tempfile.TemporaryDirectory(prefix="tfmixprec-profile-") as trace:

@@ -66,13 +66,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ in a worker process
-def _dataset(x, y, weights, batch: int):
-    import tensorflow as tf
-
-    data = (x, y) if weights is None else (x, y, weights)
-    return tf.data.Dataset.from_tensor_slices(data).batch(batch).repeat()
-
-
 def worker_main(args: argparse.Namespace) -> None:
     import contextlib
     import io
@@ -96,12 +89,11 @@ def worker_main(args: argparse.Namespace) -> None:
             routed = tfmixprec.cpu_float16.fast_float16_layers(model)
         else:
             routed = tfmixprec.cpu_bfloat16.fast_bfloat16_layers(model)
-    x, y, weights = entry.data(args.parity_steps + 1)
     record = bench.StepLosses()
     keras.utils.set_random_seed(1)  # the same dropout masks in every stack
     with contextlib.redirect_stdout(io.StringIO()):  # the callbacks' one-line notes
         model.fit(
-            _dataset(x, y, weights, entry.batch_size),
+            entry.dataset(args.parity_steps + 1),
             epochs=1,
             steps_per_epoch=args.parity_steps,
             verbose=0,
@@ -109,7 +101,7 @@ def worker_main(args: argparse.Namespace) -> None:
         )
         # Applied steps count in `iterations` (Keras's and tfmixprec's optimizers alike).
         skipped = args.parity_steps - int(model.optimizer.iterations.numpy())
-        dataset = _dataset(x, y, weights, entry.batch_size)
+        dataset = entry.dataset(args.parity_steps + 1)
         bench.time_fit(model, dataset, args.steps, callbacks)  # warm up
         times = [
             bench.time_fit(model, dataset, args.steps, callbacks).per_step for _ in range(args.runs)

@@ -28,11 +28,9 @@ def route_of(layer: Any) -> str | None:
     return getattr(layer, _ROUTE, None)
 
 
-def route(layer: Any, name: str, attribute: str, method: Any) -> bool:
-    """Makes `layer.<attribute>` call `method(layer, ...)`; True if it did (False if the layer
-    already takes a route)."""
-    if route_of(layer) is not None:
-        return False
-    setattr(layer, attribute, types.MethodType(method, layer))
-    setattr(layer, _ROUTE, name)
-    return True
+def route(layer: Any, name: str, attribute: str, method: Any) -> None:
+    """Makes `layer.<attribute>` call `method(layer, ...)`, unless the layer already takes a
+    route."""
+    if route_of(layer) is None:
+        setattr(layer, attribute, types.MethodType(method, layer))
+        setattr(layer, _ROUTE, name)

@@ -457,25 +457,25 @@ def _cpu_bfloat16_kernels(model: keras.Model, context: _AuditContext) -> list[Fi
     """bfloat16 layers that a `cpu_bfloat16` route serves on this CPU: routed or not yet."""
     if not context.cpu_only:
         return []
-    served = {
-        layer.name: (route.name, route_of(layer) == route.name)
+    served = [
+        (layer, route)
         for layer, route in cpu_bfloat16.served_layers(model, context.hardware)
         # a table's logits only where this model's observed call computes them
-        if route.name != "bfloat16 logits"
+        if route is not cpu_bfloat16.LOGITS
         or any(call.float_input for call in context.observation.calls_of(layer))
-    }
+    ]
     if not served:
         return []
-    shown = ", ".join(f"{name!r} ({route})" for name, (route, _) in list(served.items())[:3])
+    shown = ", ".join(f"{layer.name!r} ({route.name})" for layer, route in served[:3])
     shown += ", ..." if len(served) > 3 else ""
-    if all(done for _, done in served.values()):
+    if all(route_of(layer) == route.name for layer, route in served):
         message = f"{len(served)} bfloat16 layer(s) take a tfmixprec.cpu_bfloat16 route: {shown}."
         fix = "None needed: their outputs and saved files are as Keras makes them."
         return [Finding("info", "cpu-bfloat16-routed", None, message, fix)]
+    why = "; ".join(dict.fromkeys(route.why for _, route in served))  # each route once
     message = (
         f"on this CPU, {len(served)} bfloat16 layer(s) run slower than they need: {shown} "
-        "(a language model's logits computed in float32, depthwise convolutions slower in "
-        "bfloat16; docs/guides/bfloat16-on-cpus.md)."
+        f"({why}; docs/guides/bfloat16-on-cpus.md)."
     )
     fix = (
         "Train through tfmixprec (MixedPrecisionModel.compile does it), or call "

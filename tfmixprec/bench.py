@@ -573,10 +573,7 @@ def model_source(spec: str, batch: int | None = None) -> ModelSource:
         def build_zoo() -> tuple[keras.Model, tf.data.Dataset, int]:
             entry = zoo.build(spec, size="bench")
             entry.model.compile(optimizer="adam", loss=entry.loss)
-            x, y, weights = entry.data(4)
-            data = (x, y) if weights is None else (x, y, weights)
-            batches = tf.data.Dataset.from_tensor_slices(data).batch(entry.batch_size)
-            return entry.model, batches.repeat(), entry.batch_size
+            return entry.model, entry.dataset(4), entry.batch_size
 
         return ModelSource(spec, build_zoo)
     function = load_function(spec)
@@ -615,10 +612,8 @@ def _source_variants(
             if variants and not any(route_of(layer) for layer in iter_layers(net)):
                 say(f"{resolved}, tfmixprec: no layer to route here, the same step as keras")
                 continue
-        variants.append(
-            dict(policy=policy, resolved=resolved, stack=stack, net=net, steps=steps, batch=batch)
-        )
-        variants[-1]["data"] = data
+        variant = dict(policy=policy, resolved=resolved, stack=stack, net=net, steps=steps)
+        variants.append({**variant, "batch": batch, "data": data})
     return variants
 
 

@@ -46,6 +46,8 @@ from tfmixprec._layers import iter_layers
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 
 __all__ = [
+    "DEPTHWISE",
+    "LOGITS",
     "ROUTES",
     "Route",
     "applies",
@@ -98,22 +100,21 @@ def _depthwise(layer: Any) -> tuple[str, Any] | None:
     return "call", float32_convolution_call
 
 
-ROUTES: tuple[Route, ...] = (
-    Route(
-        "bfloat16 logits",
-        "Keras does not autocast an embedding table, so the reverse projection runs in "
-        "float32 (GPT-2 benchmark: 203 ms of op time a step in float32, 108 in bfloat16)",
-        _reverse_projection,
-        lambda hardware: hardware.cpu_bfloat16,
-    ),
-    Route(
-        "float32 depthwise convolution",
-        "bfloat16 depthwise convolution gradients run 1.6-3x slower than float32 on CPUs "
-        "with AVX512_BF16 and no AMX (MobileNetV3Small: 65 ms a step, 46 routed)",
-        _depthwise,
-        lambda hardware: hardware.cpu_bfloat16 and not hardware.cpu_amx,
-    ),
+LOGITS = Route(
+    "bfloat16 logits",
+    "Keras does not autocast an embedding table, so the reverse projection runs in "
+    "float32 (GPT-2 benchmark: 203 ms of op time a step in float32, 108 in bfloat16)",
+    _reverse_projection,
+    lambda hardware: hardware.cpu_bfloat16,
 )
+DEPTHWISE = Route(
+    "float32 depthwise convolution",
+    "bfloat16 depthwise convolution gradients run 1.6-3x slower than float32 on CPUs with "
+    "AVX512_BF16 and no AMX (MobileNetV3Small: 65 ms a step, 46 routed)",
+    _depthwise,
+    lambda hardware: hardware.cpu_bfloat16 and not hardware.cpu_amx,
+)
+ROUTES: tuple[Route, ...] = (LOGITS, DEPTHWISE)
 
 
 def _hardware(hardware: HardwareInfo | None) -> HardwareInfo:

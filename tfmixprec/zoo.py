@@ -75,6 +75,15 @@ class ZooModel:
     batch_size: int
     data: Callable[..., tuple[Any, Any, Any]]
 
+    def dataset(self, steps: int, seed: int = 0) -> Any:
+        """`data(steps, seed)` as a repeated `tf.data.Dataset` of `batch_size` batches (with
+        the weights where the task has them), for `fit(..., steps_per_epoch=...)`."""
+        import tensorflow as tf
+
+        x, y, weights = self.data(steps, seed)
+        data = (x, y) if weights is None else (x, y, weights)
+        return tf.data.Dataset.from_tensor_slices(data).batch(self.batch_size).repeat()
+
 
 def _tokens(size: _Size, segments: bool = False) -> Callable[..., tuple[Any, Any, Any]]:
     """Sequences that count up from a random start by a random stride (a task a language
