@@ -31,6 +31,7 @@ def test_every_module_exports_only_what_the_package_exports():
     for name, tree in _modules().items():
         if name.startswith("_") or name in (
             "cpu_bfloat16",
+            "float8",
             "cpu_float16",
             "datasets",
             "testing",

@@ -2,6 +2,7 @@
 
 from tfmixprec import cpu_bfloat16, cpu_float16
 from tfmixprec import datasets
+from tfmixprec import float8
 from tfmixprec import testing
 from tfmixprec import zoo
 from tfmixprec._version import __version__
@@ -24,6 +25,11 @@ from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.diagnosis import explain_overflow
 from tfmixprec.doctor import DoctorReport
 from tfmixprec.doctor import doctor
+from tfmixprec.float8 import Float8Change
+from tfmixprec.float8 import Float8LayerStats
+from tfmixprec.float8 import Float8TensorStats
+from tfmixprec.float8 import float8_layers
+from tfmixprec.float8 import float8_stats
 from tfmixprec.gradient_range import GradientRangeMonitor
 from tfmixprec.gradient_range import GradientRangeStats
 from tfmixprec.gradient_range import gradient_range_stats
@@ -54,6 +60,9 @@ __all__ = [
     "CalibrationReport",
     "DoctorReport",
     "Finding",
+    "Float8Change",
+    "Float8LayerStats",
+    "Float8TensorStats",
     "GPUInfo",
     "GradientRangeMonitor",
     "GradientRangeStats",
@@ -91,6 +100,9 @@ __all__ = [
     "doctor",
     "explain_overflow",
     "float32_outputs",
+    "float8",
+    "float8_layers",
+    "float8_stats",
     "gradient_range_stats",
     "guard_state",
     "make_train_step",

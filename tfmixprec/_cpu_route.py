@@ -12,9 +12,10 @@ from typing import Any
 
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 
-__all__ = ["cpu_only", "route", "route_of"]
+__all__ = ["cpu_only", "route", "route_of", "unroute"]
 
 _ROUTE = "_tfmixprec_cpu_route"  # on a routed layer instance: the route's name
+_REPLACED = "_tfmixprec_cpu_route_replaces"  # and the method it replaced
 
 
 def cpu_only(hardware: HardwareInfo | None) -> bool:
@@ -34,3 +35,14 @@ def route(layer: Any, name: str, attribute: str, method: Any) -> None:
     if route_of(layer) is None:
         setattr(layer, attribute, types.MethodType(method, layer))
         setattr(layer, _ROUTE, name)
+        setattr(layer, _REPLACED, attribute)
+
+
+def unroute(layer: Any) -> str | None:
+    """Takes `layer` off its route (the class's method again); returns the route's name, or
+    None when it took none. For a layer whose computation changes kind (`float8_layers`)."""
+    name = route_of(layer)
+    if name is not None:
+        for attribute in (vars(layer).pop(_REPLACED), _ROUTE):
+            vars(layer).pop(attribute, None)
+    return name

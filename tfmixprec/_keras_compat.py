@@ -7,6 +7,7 @@ A Keras release that changes one of these touches this file only. Minimum versio
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -587,3 +588,37 @@ def float32_attention(
         **kwargs,
     )
     return tf.cast(output, layer.compute_dtype), scores
+
+
+# Why: Keras's float8 `Dense` / `EinsumDense` quantize inside their private `_float8_call`,
+# which has no hook to see the tensors it quantizes. `tfmixprec.float8` counts, in the step,
+# the values that saturate or round to zero: this replaces `_float8_call` on the instance (the
+# class, the config and the saved file are untouched) with one that hands `forward` the
+# inputs and the kernel first (read from `_kernel`, as Keras does) and, for that call only,
+# puts `output` in front of the layer's activation. `output` then sits after the bias, where
+# the gradient is the one Keras quantizes to e5m2 right after its product (adding a bias does
+# not change a gradient). Replica threads call it one at a time; the lock makes sure of it.
+# Keras 3.12 to 3.15 call `self._float8_call(inputs, training=...)` from `quantized_call`.
+def watch_float8_call(layer: Any, forward: Any, output: Any) -> None:
+    original = type(layer)._float8_call.__get__(layer)
+    lock = threading.Lock()
+
+    def call(inputs: Any, training: Any = None, **kwargs: Any) -> Any:
+        if not training:
+            return original(inputs, training=training, **kwargs)
+        forward(inputs, layer._kernel)
+        with lock:
+            activation = layer.activation
+            watched = output if activation is None else (lambda x: activation(output(x)))
+            object.__setattr__(layer, "activation", watched)
+            try:
+                return original(inputs, training=training, **kwargs)
+            finally:
+                object.__setattr__(layer, "activation", activation)
+
+    object.__setattr__(layer, "_float8_call", call)
+
+
+def float8_call_watched(layer: Any) -> bool:
+    """Whether `watch_float8_call` replaced `layer`'s `_float8_call`."""
+    return "_float8_call" in vars(layer)
