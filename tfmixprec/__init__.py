@@ -27,6 +27,7 @@ from tfmixprec.doctor import DoctorReport
 from tfmixprec.doctor import doctor
 from tfmixprec.float8 import Float8Change
 from tfmixprec.float8 import Float8LayerStats
+from tfmixprec.float8 import Float8Monitor
 from tfmixprec.float8 import Float8TensorStats
 from tfmixprec.float8 import float8_layers
 from tfmixprec.float8 import float8_stats
@@ -62,6 +63,7 @@ __all__ = [
     "Finding",
     "Float8Change",
     "Float8LayerStats",
+    "Float8Monitor",
     "Float8TensorStats",
     "GPUInfo",
     "GradientRangeMonitor",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,16 +28,20 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmixprec._cadence import Every
 from tfmixprec._cpu_route import unroute
 from tfmixprec._dtypes import FLOAT8_MAX
 from tfmixprec._keras_compat import float8_call_watched, watch_float8_call
 from tfmixprec._layers import check_built_model, forget_traced_functions, iter_layers
 from tfmixprec._observe import observe
+from tfmixprec._text import docs_page
+from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.policy import LOW_PRECISION, float32_reason
 
 __all__ = [
     "Float8Change",
     "Float8LayerStats",
+    "Float8Monitor",
     "Float8TensorStats",
     "float8_layers",
     "float8_stats",
@@ -309,7 +314,7 @@ class _Counts:
         each worker reads its own)."""
         strategy = tf.distribute.get_strategy()
         return {
-            name: sum(np.asarray(v) for v in strategy.experimental_local_results(variable))
+            name: sum(v.numpy() for v in strategy.experimental_local_results(variable))
             for name, variable in self.variables.items()
         }
 
@@ -351,7 +356,8 @@ class Float8TensorStats:
             underflows: zeros to begin with included).
         flushed: Int. Of those, the ones that were not zero and were once quantized.
         history_moved: Bool. False when the amax history is still all zeros although the
-            optimizer applied steps: the scale then never leaves its start (1.0).
+            layer ran in training steps and the optimizer applied steps (e.g. an output
+            gradient that never reaches it): the scale then never leaves its start (1.0).
     """
 
     scale: float
@@ -410,16 +416,17 @@ class Float8LayerStats:
 
 def _applied_steps(model: keras.Model) -> int:
     optimizer = getattr(model, "optimizer", None)
-    return 0 if optimizer is None else int(keras.ops.convert_to_numpy(optimizer.iterations))
+    return 0 if optimizer is None else int(optimizer.iterations.numpy())
 
 
 def _layer_stats(layer: Any, applied: int) -> Float8LayerStats:
     counts = vars(layer)[_COUNTS].read() if _COUNTS in vars(layer) else {}
+    ran = int(counts.get("inputs", (0,))[0]) > 0  # the layer ran in a training step
     tensors = {}
     for name, scale, history, _ in TENSORS:
         amax = np.asarray(getattr(layer, history).numpy(), np.float64)
         values, saturated, zero, flushed = (int(v) for v in counts.get(name, (0,) * 4))
-        moved = bool(np.any(amax != 0)) or applied == 0 or values == 0
+        moved = bool(np.any(amax != 0)) or applied == 0 or not ran
         tensors[name] = Float8TensorStats(
             float(getattr(layer, scale).numpy()),
             float(np.max(amax)),
@@ -455,3 +462,120 @@ def float8_stats(model: keras.Model) -> list[Float8LayerStats]:
     """
     applied = _applied_steps(model)
     return [_layer_stats(layer, applied) for layer in iter_layers(model) if is_float8(layer)]
+
+
+_FROZEN_SAID = "_tfmixprec_float8_frozen_said"  # on a model: the histories already said
+
+
+class Float8Reader:
+    """One callback's reads of a model's float8 layers: the layers watched when `fit` starts
+    (the train function retraced if a layer was not), and each read as the counts since the
+    previous one. An amax history that never moved is said once per model (a warning)."""
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self._last: dict[str, Float8LayerStats] = {}
+
+    def start(self, model: keras.Model) -> bool:
+        """From `on_train_begin`: watches `model`'s float8 layers; returns whether it has any."""
+        self.model = model
+        if watch_float8(model):
+            model.make_train_function(force=True)  # the fit in progress calls the new one
+        self._last = {s.layer: s for s in float8_stats(model)}
+        return bool(self._last)
+
+    def read(self) -> list[Float8LayerStats]:
+        """The stats of each float8 layer since the previous read (one host read)."""
+        now = float8_stats(self.model)
+        interval = [s.since(self._last[s.layer]) if s.layer in self._last else s for s in now]
+        self._last = {s.layer: s for s in now}
+        self._say_frozen(now)
+        return interval
+
+    def _say_frozen(self, stats: list[Float8LayerStats]) -> None:
+        said = self.model.__dict__.setdefault(_FROZEN_SAID, set())
+        for layer in stats:
+            for name, tensor in layer.tensors().items():
+                if not tensor.history_moved and (layer.layer, name) not in said:
+                    said.add((layer.layer, name))
+                    warnings.warn(
+                        f"float8 layer {layer.layer!r}: its {name} amax history is still all "
+                        f"zeros after {_applied_steps(self.model)} applied steps, so its "
+                        f"{name} scale stays at {tensor.scale:g}. {docs_page('guides/float8')}",
+                        stacklevel=3,
+                    )
+
+
+def _int_at_least_one(value: Any) -> bool:
+    try:
+        check_int_at_least_one("update_freq", value)
+    except ValueError:
+        return False
+    return True
+
+
+@keras.saving.register_keras_serializable(package="tfmixprec")
+class Float8Monitor(keras.callbacks.Callback):
+    """Every `update_freq` steps (or at each epoch's end), reads what float8 quantization did
+    to each float8 layer since the last read: the three scales and amaxes, and the shares of
+    values that saturated and that were zero once quantized (`float8_stats`). The counts are
+    kept in the step, in variables; the callback reads them only when due.
+
+    Layers quantized otherwise than by `float8_layers` (`model.quantize("float8")`) are
+    watched from the start of `fit` (the train function is traced again once). An amax
+    history still all zeros after applied steps is a warning, once per model.
+
+    Args:
+        update_freq: `"epoch"` or Int >= 1. When to read.
+
+    Attributes:
+        history: List of `(step, [Float8LayerStats, ...])`, one per read: the 1-based number
+            of steps of this `fit` (the epoch with `"epoch"`), and the counts since the
+            previous read.
+
+    Raises:
+        ValueError: If `update_freq` is not `"epoch"` or an integer >= 1.
+
+    Example:
+
+    >>> monitor = tfmixprec.Float8Monitor()
+    >>> model.fit(x, y, callbacks=[monitor])
+    >>> step, layers = monitor.history[-1]
+    >>> layers[0].outputs_grad.saturated_fraction
+    """
+
+    def __init__(self, update_freq: int | str = "epoch") -> None:
+        super().__init__()
+        if update_freq != "epoch" and (
+            isinstance(update_freq, str) or not _int_at_least_one(update_freq)
+        ):
+            raise ValueError(
+                'update_freq must be "epoch" or an integer >= 1. '
+                f"Received: update_freq={update_freq!r}"
+            )
+        self.update_freq = update_freq
+        self.history: list[tuple[int, list[Float8LayerStats]]] = []
+        self._reader = Float8Reader()
+        self._every = Every(1 if update_freq == "epoch" else update_freq)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"update_freq": self.update_freq}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Float8Monitor:
+        return cls(**config)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._reader.start(self.model)
+        self._every.start()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._every.epoch_begin()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._every.due(batch) and self.update_freq != "epoch":
+            self.history.append((self._every.steps, self._reader.read()))
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.update_freq == "epoch":
+            self.history.append((epoch + 1, self._reader.read()))

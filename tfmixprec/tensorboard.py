@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from tfmixprec._keras_compat import (
 )
 from tfmixprec.attribution import OverflowReport, overflow_report
 from tfmixprec.diagnosis import OverflowDiagnosis
+from tfmixprec.float8 import Float8Reader, float8_stats
 from tfmixprec.gradient_range import GradientRangeMonitor
 from tfmixprec.loss_scale import LOG_KEYS
 from tfmixprec.repair import repairs_of
@@ -32,6 +34,7 @@ from tfmixprec.repair import repairs_of
 __all__ = ["TensorBoard", "dashboard_layout"]  # what the package exports
 
 PREFIX = "mixed_precision"
+LAYOUT_TITLE = "Mixed precision"
 TAGS = {
     "loss_scale": f"{PREFIX}/loss_scale",
     "log2_loss_scale": f"{PREFIX}/log2_loss_scale",
@@ -45,8 +48,18 @@ TAGS = {
     "diagnosis": f"{PREFIX}/diagnosis",  # text
     "repairs": f"{PREFIX}/repairs",  # text, at each PrecisionRepair repair's step
     "repaired_layers": f"{PREFIX}/repaired_layers",  # layers moved to float32, in all
+    "float8": f"{PREFIX}/float8",  # + "/<layer>/<tensor>/<stat>", see FLOAT8_STATS
 }
-LAYOUT_TITLE = "Mixed precision"
+# What is written per float8 layer and quantized tensor (inputs, kernel, outputs_grad), each
+# over the interval since the last write, and the chart each goes to.
+FLOAT8_STATS = {
+    "saturated_fraction": "saturated (fraction)",
+    "underflow_fraction": "zero once quantized (fraction)",
+    "flushed_fraction": "non-zero values flushed to zero (fraction)",
+    "scale": "scale",
+    "amax": "amax",
+}
+FLOAT8_TITLE = f"{LAYOUT_TITLE}: float8"
 LAYERS_TITLE = f"{LAYOUT_TITLE}: overflow steps per layer (total)"  # one chart a layer
 
 
@@ -72,6 +85,7 @@ def dashboard_layout(
     gradient_range: bool = True,
     layers: Sequence[str] = (),
     repairs: bool = False,
+    float8_layers: Sequence[str] = (),
 ) -> layout_pb2.Layout:
     """The custom-scalars layout: loss next to loss scale, overflow events, gradient range.
 
@@ -87,7 +101,9 @@ def dashboard_layout(
     (skipped steps)" (`loss_scale`), "Loss (per epoch)", "Overflow steps (total)"
     (`loss_scale`), "Gradients below float16's range (fraction)", "Gradients in float16's
     subnormal range (fraction)" (`gradient_range`); with `layers`, category "Mixed precision:
-    overflow steps per layer (total)": one chart a layer, titled with its name.
+    overflow steps per layer (total)": one chart a layer, titled with its name; with
+    `float8_layers`, category "Mixed precision: float8": per layer, one chart a statistic
+    ("<layer>: saturated (fraction)", ..., see `FLOAT8_STATS`), a line per quantized tensor.
 
     Args:
         per_batch: Bool. Whether the run writes per-batch summaries (`update_freq` not
@@ -99,6 +115,8 @@ def dashboard_layout(
             each, in this order.
         repairs: Bool. Whether `PrecisionRepair` repaired the run: a chart "Layers moved to
             float32 by PrecisionRepair (total)" last in "Mixed precision".
+        float8_layers: Sequence of layer names. The model's float8 layers: their charts of
+            `mixed_precision/float8/<layer>/<tensor>/<statistic>`.
 
     Returns:
         A `tensorboard.plugins.custom_scalar.layout_pb2.Layout`.
@@ -128,11 +146,49 @@ def dashboard_layout(
     if repairs:
         title = "Layers moved to float32 by PrecisionRepair (total)"
         charts.append(_exact(title, TAGS["repaired_layers"]))
+    return layout_pb2.Layout(category=_categories(charts, layers, float8_layers))
+
+
+def _categories(
+    charts: list[layout_pb2.Chart], layers: Sequence[str], float8_layers: Sequence[str]
+) -> list[layout_pb2.Category]:
+    """The layout's categories: "Mixed precision" (`charts`), then the per-layer overflow
+    charts and the float8 charts when there are any."""
     categories = [layout_pb2.Category(title=LAYOUT_TITLE, chart=_shown_in_order(charts))]
     if layers:
         per_layer = [_exact(layer, f"{TAGS['layer_overflow_steps']}/{layer}") for layer in layers]
         categories.append(layout_pb2.Category(title=LAYERS_TITLE, chart=_shown_in_order(per_layer)))
-    return layout_pb2.Layout(category=categories)
+    if float8_layers:
+        float8 = _float8_charts(float8_layers)
+        categories.append(layout_pb2.Category(title=FLOAT8_TITLE, chart=float8))
+    return categories
+
+
+def _float8_charts(layers: Sequence[str]) -> list[layout_pb2.Chart]:
+    """Per float8 layer, one chart a statistic, with a line per quantized tensor (the tags
+    matched by a regular expression: TensorBoard smooths these, unlike the margin charts)."""
+    charts = []
+    for layer in layers:
+        for stat, title in FLOAT8_STATS.items():
+            tags = f"^{re.escape(TAGS['float8'])}/{re.escape(layer)}/[a-z_]+/{stat}$"
+            lines = layout_pb2.MultilineChartContent(tag=[tags])
+            charts.append(layout_pb2.Chart(title=f"{layer}: {title}", multiline=lines))
+    return charts
+
+
+def _write_float8(board: TensorBoard, step: int) -> None:
+    """Writes what float8 quantization did to each float8 layer since the last write."""
+    if not board._float8_layers:
+        return
+    stats = board._float8.read()
+    with tensorboard_writer(board).as_default(), tf.summary.record_if(True):
+        for layer in stats:
+            for name, tensor in layer.tensors().items():
+                for stat in FLOAT8_STATS:
+                    value = getattr(tensor, stat)
+                    if math.isfinite(value):  # a fraction of no values counted: not written
+                        tag = f"{TAGS['float8']}/{layer.layer}/{name}/{stat}"
+                        tf.summary.scalar(tag, value, step=step)
 
 
 def _profile_batch_value(profile_batch: int | str | Sequence[int]) -> int | list[int]:
@@ -180,6 +236,7 @@ def _write_layout(board: TensorBoard, step: int, report: OverflowReport | None =
         gradient_range=board.gradient_monitor is not None,
         layers=board._charted_layers,
         repairs=bool(board._repairs_written),
+        float8_layers=board._float8_layers,
     )
     with tensorboard_writer(board).as_default(), tf.summary.record_if(True):
         summary = custom_scalar_summary.pb(layout)
@@ -303,6 +360,8 @@ class TensorBoard(_ChiefWrites):
         self.diagnose = diagnose
         self._diagnoser = diagnoser
         self._charted_layers: list[str] = []  # the layers with a chart in the layout
+        self._float8 = Float8Reader()
+        self._float8_layers: list[str] = []  # the model's float8 layers
 
     def get_config(self) -> dict[str, Any]:
         """Every argument of `keras.callbacks.TensorBoard`, as this callback holds it.
@@ -340,6 +399,8 @@ class TensorBoard(_ChiefWrites):
         opt = self._reader.train_begin()
         self._repairs_written = len(repairs_of(self.model))  # earlier fits' are written
         super().on_train_begin(logs)
+        self._float8.start(self.model)
+        self._float8_layers = [s.layer for s in float8_stats(self.model)]
         self._diagnoser.start(self, opt)
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
@@ -385,6 +446,8 @@ class TensorBoard(_ChiefWrites):
     def _write(self, step: int, only_new_overflows: bool = False) -> None:
         """Writes the loss-scale values at `step`, and the overflows since the last write
         (`only_new_overflows`: nothing unless there were some)."""
+        if not only_new_overflows:
+            _write_float8(self, step)
         if self._reader.optimizer is None:  # no loss scaling: only the gradient range
             self._write_gradients(step)
             return
