@@ -322,6 +322,157 @@ def test_a_layer_check_added_to_the_table_runs_on_every_leaf_layer(monkeypatch):
     assert [f.code for f in report.findings][2:] == ["float32-model"]
 
 
+# float8 layers: judged as `float8_layers` would leave them out, on the observed call.
+
+H100 = HardwareInfo(gpus=(GPUInfo("NVIDIA H100", (9, 0)),))  # float8 Tensor Cores
+FLOAT8_PAGE = " See docs/guides/float8.md."
+FLOAT8_FIX = (
+    "Quantize the model with tfmixprec.float8_layers(model) instead of "
+    "model.quantize('float8'): it leaves this layer out of float8."
+)
+
+
+def _float8_mlp(units=32, activation="relu", **middle):
+    """16 -> 32 -> units -> 8 under mixed_bfloat16, the output layer in float32."""
+    tfmixprec.set_policy("mixed_bfloat16")
+    return keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu", name="first"),
+            keras.layers.Dense(units, activation=activation, name="middle", **middle),
+            keras.layers.Dense(8, dtype="float32", name="out"),
+        ],
+        name="float8_mlp",
+    )
+
+
+def _float8_codes(report):
+    return [c for c in _codes(report) if c[1].startswith("float8")]
+
+
+@pytest.mark.filterwarnings("ignore:Layer InputLayer does not have a `quantize` method")
+def test_model_quantize_float8_quantizes_the_output_and_first_layers():
+    model = _float8_mlp()
+    assert _float8_codes(tfmixprec.audit(model, hardware=CPU_ONLY)) == []  # no float8 yet
+    model.quantize("float8")
+    assert model.get_layer("out").dtype_policy.name == "float8_from_float32"
+    batch = np.linspace(-1, 1, 32, dtype="float32").reshape(2, 16)
+    before = model(batch).numpy()
+    report = tfmixprec.audit(model, hardware=H100)
+    assert _codes(report) == [
+        ("error", "float8-output-layer", "out"),
+        ("warning", "float8-first-layer", "first"),
+    ]
+    output, first = report.findings
+    assert output.message == (
+        "quantized to float8 (float8_from_float32), it makes a model output: the loss sees "
+        "values computed from e4m3 inputs and kernel (3 mantissa bits)." + FLOAT8_PAGE
+    )
+    assert first.message == (
+        "quantized to float8 (float8_from_mixed_bfloat16) as the model's first matmul layer, "
+        "which Transformer Engine's recipe keeps out of float8: it quantizes the model's "
+        "inputs to e4m3 (3 mantissa bits)." + FLOAT8_PAGE
+    )
+    assert output.fix == first.fix == FLOAT8_FIX
+    # The audit saw the float8 layers' own calls, and left them as they were.
+    for layer in model.layers:
+        assert "call" not in vars(layer) and "quantized_call" not in vars(layer)
+    np.testing.assert_array_equal(model(batch).numpy(), before)
+
+
+def test_float8_layers_leaves_only_the_machine_info():
+    model = _float8_mlp()
+    assert [c.layer for c in tfmixprec.float8_layers(model)] == ["middle"]
+    assert tfmixprec.audit(model, hardware=H100).findings == []
+    (finding,) = tfmixprec.audit(model, hardware=CPU_ONLY).findings
+    assert (finding.severity, finding.code, finding.layer) == ("info", "float8-no-gain", None)
+    assert finding.message == (
+        "1 float8 layer(s) ('middle') run here as emulated quantize-dequantize, slower than "
+        "bfloat16 alone: no GPU with float8 Tensor Cores (compute capability 8.9 or later), "
+        "so float8 is useful here for checking numerics." + FLOAT8_PAGE
+    )
+    assert _float8_codes(tfmixprec.audit(model, hardware=A100)) == [  # Ampere: no float8
+        ("info", "float8-no-gain", None)
+    ]
+    assert [f for f in tfmixprec.audit(model).findings if f.severity != "info"] == []
+
+
+def test_a_float8_layer_with_sizes_not_multiples_of_16():
+    model = _float8_mlp(units=24)  # a multiple of 8: no tensor-core-alignment warning
+    model.get_layer("middle").quantize("float8")
+    (finding,) = tfmixprec.audit(model, hardware=H100).findings
+    assert (finding.severity, finding.code, finding.layer) == (
+        "warning",
+        "float8-misaligned",
+        "middle",
+    )
+    assert finding.message == (
+        "units (24) is not a multiple of 16: float8 Tensor Cores need both matmul dimensions "
+        "(input features 32, units 24) to be." + FLOAT8_PAGE
+    )
+    assert finding.fix == (
+        "Pad units to 32, or leave the layer out of float8 (tfmixprec.float8_layers does)."
+    )
+
+
+def test_a_float8_layer_computing_in_float32_gains_nothing():
+    model = _float8_mlp(dtype="float32")
+    model.get_layer("middle").quantize("float8")
+    (finding,) = tfmixprec.audit(model, hardware=H100).findings
+    assert (finding.severity, finding.code, finding.layer) == (
+        "warning",
+        "float8-no-gain",
+        "middle",
+    )
+    assert finding.message == (
+        "quantized to float8 (float8_from_float32) but computes in float32: the "
+        "quantize-dequantize around a float32 matmul costs time and precision and gains "
+        "nothing." + FLOAT8_PAGE
+    )
+    assert finding.fix == (
+        "Quantize only layers that compute in bfloat16 or float16: build under a mixed policy "
+        "and call tfmixprec.float8_layers(model), which leaves float32 layers out."
+    )
+    assert _float8_codes(tfmixprec.audit(model, hardware=CPU_ONLY)) == [
+        ("warning", "float8-no-gain", "middle"),
+        ("info", "float8-no-gain", None),
+    ]
+
+
+def test_a_softmax_like_float8_layer_inside_the_model_is_a_warning():
+    model = _float8_mlp(activation="sigmoid")
+    model.get_layer("middle").quantize("float8")
+    (finding,) = tfmixprec.audit(model, hardware=H100).findings
+    assert (finding.severity, finding.code, finding.layer) == (
+        "warning",
+        "float8-output-layer",
+        "middle",
+    )
+    assert finding.message == (
+        "quantized to float8 (float8_from_mixed_bfloat16), its sigmoid activation reads "
+        "logits computed from e4m3 inputs and kernel (3 mantissa bits)." + FLOAT8_PAGE
+    )
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:keras.src.models.model")  # layers it skips
+def test_float8_on_models_you_did_not_write():
+    """KerasHub's GPT-2 through float8_layers: only the machine's info. Its logits are the
+    token embedding's reverse call, so Keras's own model.quantize quantizes the same six
+    projections. ViT's model.quantize quantizes its classifier head."""
+    tfmixprec.set_policy("mixed_bfloat16")
+    gpt2 = tfmixprec.zoo.build("gpt2", size="tiny").model
+    assert len(tfmixprec.float8_layers(gpt2)) == 6
+    assert _float8_codes(tfmixprec.audit(gpt2, hardware=H100)) == []
+    (finding,) = [f for f in tfmixprec.audit(gpt2, hardware=CPU_ONLY).findings if "8" in f.code]
+    assert (finding.severity, finding.code) == ("info", "float8-no-gain")
+    assert finding.message.startswith("6 float8 layer(s) ('query', 'key', 'value', ...) run")
+    vit = tfmixprec.zoo.build("vit", size="tiny").model
+    vit.quantize("float8")
+    report = tfmixprec.audit(vit, hardware=H100)
+    assert _float8_codes(report) == [("error", "float8-output-layer", "predictions")]
+    assert report.errors[-1].fix == FLOAT8_FIX
+
+
 # Saved files: audited as they were saved, the same as the model in memory.
 
 

@@ -72,7 +72,8 @@ def watch_leaf_calls(
     """Within the block, every call of a leaf layer of `model` calls `record(layer, args,
     result)` after it (in the order the calls end: inner layers before the layer around them).
 
-    Each leaf's `call` is replaced by a watcher and restored after the block: back to the
+    Each leaf's `call` (`quantized_call` for a quantized layer, which Keras calls instead)
+    is replaced by a watcher and restored after the block: back to the
     class method, or to an instance `call` another part had set (e.g. `cpu_float16`'s). One
     watcher at a time per process (`CALLS_LOCK`).
     """
@@ -86,24 +87,31 @@ CALLS_LOCK = threading.RLock()
 
 
 def _watching(model: keras.Model, record: Callable[[Any, tuple, Any], None]) -> Iterator[None]:
-    leaves = [layer for layer in iter_layers(model) if not is_container(layer)]
-    own_calls = {id(layer): vars(layer).get("call") for layer in leaves}
-    for layer in leaves:
+    leaves = [(layer, _called(layer)) for layer in iter_layers(model) if not is_container(layer)]
+    own_calls = {id(layer): vars(layer).get(name) for layer, name in leaves}
+    for layer, name in leaves:
+        own = getattr(layer, name)
 
-        def watched(*args, __layer=layer, __call=layer.call, **kwargs):
+        def watched(*args, __layer=layer, __call=own, **kwargs):
             result = __call(*args, **kwargs)
             record(__layer, args, result)
             return result
 
-        layer.call = watched
+        setattr(layer, name, watched)
     try:
         yield
     finally:
-        for layer in leaves:
+        for layer, name in leaves:
             if own_calls[id(layer)] is None:
-                del layer.call  # back to the class method
+                delattr(layer, name)  # back to the class method
             else:
-                layer.call = own_calls[id(layer)]
+                setattr(layer, name, own_calls[id(layer)])
+
+
+def _called(layer: Any) -> str:
+    """The method Keras's `__call__` runs: `quantized_call` for a quantized layer (float8,
+    int8, ...), else `call`."""
+    return "quantized_call" if getattr(layer, "quantization_mode", None) else "call"
 
 
 def compiled_loss(model: Any, who: str) -> Callable[..., Any]:

@@ -1,4 +1,5 @@
-"""Static checks of a model for mixed precision: dtypes, float32 outputs, Tensor Core sizes."""
+"""Static checks of a model for mixed precision: dtypes, float32 outputs, Tensor Core sizes,
+float8 layers."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ from typing import Any
 
 import keras
 
-from tfmixprec import cpu_bfloat16, cpu_float16
+from tfmixprec import cpu_bfloat16, cpu_float16, float8
 from tfmixprec._cpu_route import route_of
-from tfmixprec._layers import check_built_model, float32_on_purpose, is_container, iter_layers
+from tfmixprec._layers import (
+    check_built_model,
+    float32_on_purpose,
+    is_container,
+    iter_layers,
+)
 from tfmixprec._model_file import load_model_file
 from tfmixprec._observe import Observation, observe, policies_swapped
-from tfmixprec._text import markdown_table
+from tfmixprec._text import docs_page, markdown_table
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 from tfmixprec.policy import LOW_PRECISION, check_policy_name, choose_policy, float32_reason
 
@@ -26,6 +32,7 @@ __all__ = ["Finding", "LayerDtypes", "AuditReport", "audit"]
 SEVERITIES = ("error", "warning", "info")
 ALIGNMENT = 8  # NVIDIA: multiples of 8 for float16 on Tensor Cores
 IMAGE_CHANNELS = 4  # NVIDIA: a first convolution on 3-channel images needs 4 at stride >= 2
+FLOAT8_CAPABILITY = (8, 9)  # float8 Tensor Cores: Ada (8.9), Hopper (9.0) and later
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +296,10 @@ class _AuditContext:
         """The compute dtype audited for `layer`."""
         return self.policy_of(layer).compute_dtype
 
+    def outputs_of(self, layer: Any) -> list[Any]:
+        """The model outputs (`ModelOutput`) that `layer` computed, in any dtype."""
+        return [out for out in self.observation.outputs if out.layer is layer]
+
     def low_precision_outputs(self, layer: Any) -> list[Any]:
         """The model outputs (`ModelOutput`) that `layer` computed and a real call returns in
         float16/bfloat16."""
@@ -334,6 +345,8 @@ def _tensor_core_alignment(layer: Any, context: _AuditContext) -> list[Finding]:
     compute = context.compute_dtype(layer)
     if compute not in LOW_PRECISION or not layer.built:  # an unbuilt layer never ran
         return []
+    if float8.is_float8(layer):  # its sizes want multiples of 16: float8-misaligned's
+        return []
     findings = []
     for what, size in _sizes_to_align(layer, context):
         alignment = _alignment(what)
@@ -362,6 +375,139 @@ def _low_precision_variable(layer: Any, context: _AuditContext) -> list[Finding]
         for variable in layer.weights
         if variable.dtype in LOW_PRECISION
     ]
+
+
+# float8 layers (Keras's `quantize("float8")`): each gets at most one of the layer findings
+# below, for the first of the reasons `float8.float8_reason` leaves a layer out of
+# `float8_layers` that applies, in this order: an output or softmax-like layer, the model's
+# first matmul layer, a layer computing in float32, misaligned sizes (the fix of each earlier
+# one takes the layer out of float8, which makes the later ones moot).
+
+_FLOAT8_PAGE = "guides/float8"
+_FLOAT8_FIX = (
+    "Quantize the model with tfmixprec.float8_layers(model) instead of "
+    "model.quantize('float8'): it leaves this layer out of float8."
+)
+
+
+def _float8_problem(layer: Any, context: _AuditContext) -> str | None:
+    """The one float8 layer finding `layer` gets (see above), or None: not float8, or float8
+    suits it."""
+    if not float8.is_float8(layer):
+        return None
+    if context.outputs_of(layer) or float32_reason(layer) is not None:
+        return "float8-output-layer"
+    if layer is float8.first_matmul_layer(context.observation):
+        return "float8-first-layer"
+    if context.compute_dtype(layer) not in LOW_PRECISION:
+        return "float8-no-gain"
+    dims = float8.matmul_dims(layer)
+    if dims is not None and any(size % float8.ALIGNMENT for size in dims):
+        return "float8-misaligned"
+    return None
+
+
+def _float8_output_layer(layer: Any, context: _AuditContext) -> list[Finding]:
+    """A float8 layer that makes a model output (error) or has a softmax-like activation
+    inside the model (warning): `model.quantize("float8")` quantizes the output layer too."""
+    if _float8_problem(layer, context) != "float8-output-layer":
+        return []
+    policy, outputs = layer.dtype_policy.name, context.outputs_of(layer)
+    if not outputs:
+        message = (
+            f"quantized to float8 ({policy}), its {float32_reason(layer)} reads logits "
+            "computed from e4m3 inputs and kernel (3 mantissa bits)."
+        )
+        message += f" {docs_page(_FLOAT8_PAGE)}"
+        return [Finding("warning", "float8-output-layer", layer.name, message, _FLOAT8_FIX)]
+    through = ", ".join(repr(passing.name) for passing in outputs[0].through)
+    via = f" (through {through})" if through else ""
+    message = (
+        f"quantized to float8 ({policy}), it makes a model output{via}: the loss sees values "
+        f"computed from e4m3 inputs and kernel (3 mantissa bits). {docs_page(_FLOAT8_PAGE)}"
+    )
+    return [Finding("error", "float8-output-layer", layer.name, message, _FLOAT8_FIX)]
+
+
+def _float8_first_layer(layer: Any, context: _AuditContext) -> list[Finding]:
+    """The model's first matmul layer in float8: it quantizes the model's inputs."""
+    if _float8_problem(layer, context) != "float8-first-layer":
+        return []
+    message = (
+        f"quantized to float8 ({layer.dtype_policy.name}) as the model's first matmul layer, "
+        "which Transformer Engine's recipe keeps out of float8: it quantizes the model's "
+        f"inputs to e4m3 (3 mantissa bits). {docs_page(_FLOAT8_PAGE)}"
+    )
+    return [Finding("warning", "float8-first-layer", layer.name, message, _FLOAT8_FIX)]
+
+
+def _float8_misaligned(layer: Any, context: _AuditContext) -> list[Finding]:
+    """A float8 layer whose matmul dimensions are not both multiples of 16."""
+    if _float8_problem(layer, context) != "float8-misaligned":
+        return []
+    k, n = float8.matmul_dims(layer)
+    out = "units" if isinstance(layer, keras.layers.Dense) else "output size"
+    named = [("input features", k), (out, n)]
+    bad = [(what, size) for what, size in named if size % float8.ALIGNMENT]
+    shown = " and ".join(f"{what} ({size})" for what, size in bad)
+    message = (
+        f"{shown} {'is' if len(bad) == 1 else 'are'} not a multiple of {float8.ALIGNMENT}: "
+        f"float8 Tensor Cores need both matmul dimensions (input features {k}, {out} {n}) to "
+        f"be. {docs_page(_FLOAT8_PAGE)}"
+    )
+    padded = " and ".join(f"{what} to {_padded(size, float8.ALIGNMENT)}" for what, size in bad)
+    fix = f"Pad {padded}, or leave the layer out of float8 (tfmixprec.float8_layers does)."
+    return [Finding("warning", "float8-misaligned", layer.name, message, fix)]
+
+
+def _float8_tensor_cores(hardware: HardwareInfo) -> bool:
+    """Whether the machine has a GPU with float8 Tensor Cores (compute capability >= 8.9)."""
+    return any(
+        gpu.compute_capability is not None and gpu.compute_capability >= FLOAT8_CAPABILITY
+        for gpu in hardware.gpus
+    )
+
+
+def _float8_no_gain(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    """float8 where it cannot help: a float8 layer computing in float32 (warning, each), and
+    float8 layers on a machine without float8 Tensor Cores (info, once)."""
+    findings = []
+    for layer in context.leaves:
+        if _float8_problem(layer, context) == "float8-no-gain":
+            message = (
+                f"quantized to float8 ({layer.dtype_policy.name}) but computes in float32: the "
+                "quantize-dequantize around a float32 matmul costs time and precision and "
+                f"gains nothing. {docs_page(_FLOAT8_PAGE)}"
+            )
+            fix = (
+                "Quantize only layers that compute in bfloat16 or float16: build under a mixed "
+                "policy and call tfmixprec.float8_layers(model), which leaves float32 layers out."
+            )
+            findings.append(Finding("warning", "float8-no-gain", layer.name, message, fix))
+    return findings + _float8_emulated(context)
+
+
+def _float8_emulated(context: _AuditContext) -> list[Finding]:
+    """`float8-no-gain` (info): float8 layers on a machine without float8 Tensor Cores,
+    named in the order the observed call ran them."""
+    quantized = [layer for layer in context.leaves if float8.is_float8(layer)]
+    if context.hardware is None or not quantized or _float8_tensor_cores(context.hardware):
+        return []
+    ran = [id(call.layer) for call in context.observation.calls]
+    quantized.sort(key=lambda layer: ran.index(id(layer)) if id(layer) in ran else len(ran))
+    shown = ", ".join(repr(layer.name) for layer in quantized[:3])
+    shown += ", ..." if len(quantized) > 3 else ""
+    dtypes = " or ".join(sorted({context.compute_dtype(layer) for layer in quantized}))
+    message = (
+        f"{len(quantized)} float8 layer(s) ({shown}) run here as emulated quantize-dequantize, "
+        f"slower than {dtypes} alone: no GPU with float8 Tensor Cores (compute capability 8.9 "
+        f"or later), so float8 is useful here for checking numerics. {docs_page(_FLOAT8_PAGE)}"
+    )
+    fix = (
+        "None needed to check numerics (tfmixprec.float8_stats(model) reads what quantizing "
+        "does); for speed, train on an Ada, Hopper or later GPU."
+    )
+    return [Finding("info", "float8-no-gain", None, message, fix)]
 
 
 # Model checks: `check(model, context) -> list[Finding]`, run once.
@@ -548,6 +694,9 @@ CHECKS: tuple[tuple[str, _Check], ...] = (
     ("layer", _low_precision_output),  # or low-precision-softmax for a softmax-like output
     ("layer", _tensor_core_alignment),
     ("layer", _low_precision_variable),
+    ("layer", _float8_output_layer),  # error at an output, warning for a softmax-like layer
+    ("layer", _float8_first_layer),
+    ("layer", _float8_misaligned),
     ("model", _output_outside_layers),
     ("model", _unobserved),
     ("model", _float32_on_purpose),
@@ -555,6 +704,7 @@ CHECKS: tuple[tuple[str, _Check], ...] = (
     ("model", _cpu_float16_kernels),
     ("model", _cpu_bfloat16_kernels),  # or cpu-bfloat16-routed
     ("model", _xla_bfloat16_cpu),
+    ("model", _float8_no_gain),  # float8 layers in float32; no float8 Tensor Cores here (info)
     ("model", _float32_model),  # float32-model: what the recommended policy would find
 )
 
@@ -619,11 +769,12 @@ def _context(
         machine = detect_hardware() if hardware is None else hardware
     layers = [lyr for lyr in iter_layers(model) if not isinstance(lyr, keras.layers.InputLayer)]
     followers = _followers(model, layers) if followers is None else followers
+    observation = _observe_as_audited(model, layers, policy, followers)
     return _AuditContext(
         model_policy=model.dtype_policy.name,
         policy=policy,
         layers=tuple(layers),
-        observation=_observe_as_audited(model, layers, policy, followers),
+        observation=observation,
         hardware=machine,
         followers=followers,
     )
@@ -673,7 +824,14 @@ def audit(
     and has none. A float16 model compiled without a LossScaleOptimizer (error; info if not
     compiled); variables stored in float16/bfloat16 (error: master weights must stay
     float32). A model that computes in float32 only gets a `float32-model` info: what the
-    audit finds under `choose_policy()`'s recommendation.
+    audit finds under `choose_policy()`'s recommendation. Layers quantized to float8 (Keras's
+    `quantize("float8")`, as `model.quantize("float8")` does to every `Dense`), each judged
+    once, as `float8_layers` would leave it out: a model output (error) or a softmax-like
+    layer (warning), `float8-output-layer`; the model's first matmul layer (warning,
+    `float8-first-layer`); a layer computing in float32 (warning, `float8-no-gain`); matmul
+    dimensions not multiples of 16 (warning, `float8-misaligned`). On a machine without a GPU
+    of compute capability 8.9 or later, float8 layers get a `float8-no-gain` info: float8 is
+    emulated there.
 
     Args:
         model: `keras.Model` (a built model), or the path of a saved `.keras` (or legacy

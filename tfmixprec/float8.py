@@ -33,7 +33,7 @@ from tfmixprec._cpu_route import unroute
 from tfmixprec._dtypes import FLOAT8_MAX
 from tfmixprec._keras_compat import float8_call_watched, watch_float8_call
 from tfmixprec._layers import check_built_model, forget_traced_functions, iter_layers
-from tfmixprec._observe import observe
+from tfmixprec._observe import Observation, observe
 from tfmixprec._text import docs_page
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.policy import LOW_PRECISION, float32_reason
@@ -97,10 +97,16 @@ def matmul_dims(layer: Any) -> tuple[int, int] | None:
     return k, n
 
 
-def _has_matmul(layer: Any) -> bool:
+def has_matmul(layer: Any) -> bool:
     """Whether `layer` multiplies by a weight matrix or looks one up (a kernel, an embedding
     table): the layers that count as a model's first layer."""
     return any(v.name in ("kernel", "embeddings", "depthwise_kernel") for v in layer.weights)
+
+
+def first_matmul_layer(observation: Observation) -> Any:
+    """The model's first layer: the first layer with a kernel or an embedding table that the
+    observed call ran (None when the call could not run)."""
+    return next((c.layer for c in observation.calls if has_matmul(c.layer)), None)
 
 
 def float8_reason(layer: Any, first: set[int], outputs: set[int]) -> str | None:
@@ -129,8 +135,7 @@ def float8_plan(model: keras.Model, exclude: Sequence[str] = ()) -> list[tuple[A
     stays out of float8 (None: `float8_layers` quantizes it)."""
     observation = observe(model)
     outputs = {id(o.layer) for o in observation.outputs if o.layer is not None}
-    matmuls = [c.layer for c in observation.calls if _has_matmul(c.layer)]
-    first = {id(matmuls[0])} if matmuls else set()
+    first = {id(first_matmul_layer(observation))}
     called = {id(c.layer) for c in observation.calls}
     plan = []
     for layer in iter_layers(model):
