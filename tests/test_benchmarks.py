@@ -132,6 +132,31 @@ def test_zoo_smoke():
         assert re.search(row, out), out
 
 
+def test_gpu_check_smoke():
+    pytest.importorskip("keras_hub")
+    out = _run("gpu_check.py", "--smoke")
+    header = r"^device: .+; TensorFlow [\d.]+, Keras [\d.]+; zoo size tiny: gpt2 .+; vit "
+    assert re.search(header, out, re.M), out
+    rows = {}
+    for line in out.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in ("gpt2", "vit"):
+            rows[tuple(cells[:3])] = cells[3:]
+    policies = ("float32", "mixed_bfloat16", "mixed_float16", "float8")
+    expected = [(m, p, "off") for m in ("gpt2", "vit") for p in policies]
+    expected.append(("gpt2", "mixed_float16, keras LSO", "off"))
+    assert all(key in rows for key in expected), out
+    for (model, policy, xla), (ms, speed, _) in rows.items():
+        if xla == "on" and re.fullmatch(r"failed: \w+|skipped \(--smoke\)", ms):
+            continue  # XLA may fail on a CPU; --smoke compiles one XLA row only
+        assert (model, policy, xla) in expected or xla == "on", out
+        assert float(ms) > 0 and re.fullmatch(r"\d+\.\d\dx", speed), out
+        if policy == "float32":
+            assert speed == "1.00x", out
+    assert re.fullmatch(r"tfmixprec LSO / keras LSO: \d+\.\d\dx", rows[expected[-1]][2]), out
+    assert "layers in float8" in rows[("gpt2", "float8", "off")][2], out
+
+
 def test_op_profile_smoke():
     pytest.importorskip("keras_hub")
     out = _run("op_profile.py", "--quick", "--model", "gpt2")
