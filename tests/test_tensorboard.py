@@ -576,3 +576,54 @@ def test_live_dashboard_charts_are_exact_labelled_and_not_empty(tmp_path, tensor
     assert cards["multi-line"] and cards["margin"]
     assert all("smoothing-weight=" in card for card in cards["multi-line"])
     assert not any("smoothing" in card for card in cards["margin"])
+
+
+def test_live_float8_tags_match_the_monitor(tmp_path, tensorboard_server):
+    """float16 + float8 with a dynamic loss scale in `fit`: the float8 statistics that
+    `tfmixprec.TensorBoard` writes, read back through the server, are the numbers
+    `Float8Monitor` gives in Python for the same intervals."""
+    tfmixprec.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((32,)), keras.layers.Dense(64, activation="relu", name="first")]
+        + [keras.layers.Dense(64, activation="gelu", name="hidden"), keras.layers.Dense(16)]
+    )
+    assert [c.layer for c in tfmixprec.float8_layers(model)] == ["hidden"]
+    model.compile(
+        LossScaleOptimizer(keras.optimizers.Adam(1e-3)),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(6 * BATCH, 32)).astype("float32"), rng.integers(0, 16, 6 * BATCH)
+    board = tfmixprec.TensorBoard(str(tmp_path / "run"), update_freq=2)
+    monitor = tfmixprec.Float8Monitor(update_freq=2)
+    model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[board, monitor])
+    port = tensorboard_server(tmp_path)
+    run = "run/train"
+    tags = [t for t in _get_json(port, "/data/plugin/scalars/tags")[run] if "/float8/" in t]
+    stats = ("saturated_fraction", "underflow_fraction", "flushed_fraction", "scale", "amax")
+    tensors = ("inputs", "kernel", "outputs_grad")
+    assert sorted(tags) == sorted(
+        f"mixed_precision/float8/hidden/{t}/{s}" for t in tensors for s in stats
+    )
+    assert [step for step, _ in monitor.history] == [2, 4, 6]
+    for tensor in tensors:
+        for stat in stats:
+            tag = f"mixed_precision/float8/hidden/{tensor}/{stat}"
+            served = _get_json(port, "/data/plugin/scalars/scalars", {"run": run, "tag": tag})
+            expected = [
+                (step, float(np.float32(getattr(layers[0].tensors()[tensor], stat))))
+                for step, layers in monitor.history
+            ]
+            assert [(step, value) for _, step, value in served] == expected, tag
+    first_read = monitor.history[0][1][0]
+    assert first_read.inputs.values == 2 * BATCH * 64 and first_read.inputs.scale != 1.0
+    layout = _get_json(port, "/data/plugin/custom_scalars/layout")
+    (float8,) = [c for c in layout["category"] if c["title"] == "Mixed precision: float8"]
+    assert [chart["title"] for chart in float8["chart"]] == [
+        "hidden: saturated (fraction)",
+        "hidden: zero once quantized (fraction)",
+        "hidden: non-zero values flushed to zero (fraction)",
+        "hidden: scale",
+        "hidden: amax",
+    ]
