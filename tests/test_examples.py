@@ -91,3 +91,19 @@ def test_multi_worker_example(tmp_path):
     assert len(fingerprints.pop()) == 64
     assert (tmp_path / "model.keras").is_file()  # written by the chief's ModelCheckpoint
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_float8_dashboard_example(tmp_path):
+    out = _run("float8_dashboard.py", "--logdir", str(tmp_path), "--epochs", "2")
+    lines = out.strip().splitlines()
+    assert lines[:2] == [
+        "hidden_1: mixed_bfloat16 -> float8_from_mixed_bfloat16 (matmul (128, 128))",
+        "hidden_2: mixed_bfloat16 -> float8_from_mixed_bfloat16 (matmul (128, 128))",
+    ]
+    start, end = map(float, re.fullmatch(r"loss: (\S+) -> (\S+)", lines[-7]).groups())
+    assert end < start
+    tensors = [line.split(":")[0] for line in lines[-6:]]
+    assert tensors == [
+        f"hidden_{i} {t}" for i in (1, 2) for t in ("inputs", "kernel", "outputs_grad")
+    ]
+    assert list((tmp_path / "train").iterdir())  # the run TensorBoard reads

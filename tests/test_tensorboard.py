@@ -602,6 +602,7 @@ def test_live_float8_tags_match_the_monitor(tmp_path, tensorboard_server):
     run = "run/train"
     tags = [t for t in _get_json(port, "/data/plugin/scalars/tags")[run] if "/float8/" in t]
     stats = ("saturated_fraction", "underflow_fraction", "flushed_fraction", "scale", "amax")
+    stats += ("log2_scale", "log2_amax")
     tensors = ("inputs", "kernel", "outputs_grad")
     assert sorted(tags) == sorted(
         f"mixed_precision/float8/hidden/{t}/{s}" for t in tensors for s in stats
@@ -612,7 +613,7 @@ def test_live_float8_tags_match_the_monitor(tmp_path, tensorboard_server):
             tag = f"mixed_precision/float8/hidden/{tensor}/{stat}"
             served = _get_json(port, "/data/plugin/scalars/scalars", {"run": run, "tag": tag})
             expected = [
-                (step, float(np.float32(getattr(layers[0].tensors()[tensor], stat))))
+                (step, float(np.float32(_stat(layers[0].tensors()[tensor], stat))))
                 for step, layers in monitor.history
             ]
             assert [(step, value) for _, step, value in served] == expected, tag
@@ -624,6 +625,12 @@ def test_live_float8_tags_match_the_monitor(tmp_path, tensorboard_server):
         "hidden: saturated (fraction)",
         "hidden: zero once quantized (fraction)",
         "hidden: non-zero values flushed to zero (fraction)",
-        "hidden: scale",
-        "hidden: amax",
+        "hidden: scale (log2)",
+        "hidden: amax (log2)",
     ]
+
+
+def _stat(tensor, stat):
+    if stat.startswith("log2_"):
+        return np.log2(getattr(tensor, stat[5:]))
+    return getattr(tensor, stat)

@@ -26,7 +26,7 @@ from tfmixprec._keras_compat import (
 )
 from tfmixprec.attribution import OverflowReport, overflow_report
 from tfmixprec.diagnosis import OverflowDiagnosis
-from tfmixprec.float8 import Float8Reader, float8_stats
+from tfmixprec.float8 import Float8Reader, Float8TensorStats, float8_stats
 from tfmixprec.gradient_range import GradientRangeMonitor
 from tfmixprec.loss_scale import LOG_KEYS
 from tfmixprec.repair import repairs_of
@@ -51,13 +51,17 @@ TAGS = {
     "float8": f"{PREFIX}/float8",  # + "/<layer>/<tensor>/<stat>", see FLOAT8_STATS
 }
 # What is written per float8 layer and quantized tensor (inputs, kernel, outputs_grad), each
-# over the interval since the last write, and the chart each goes to.
+# over the interval since the last write, and the title of the chart each goes to (None: not
+# charted; the scale and the amax are charted as log2, where the three tensors' scales, which
+# lie orders of magnitude apart, can be told apart).
 FLOAT8_STATS = {
     "saturated_fraction": "saturated (fraction)",
     "underflow_fraction": "zero once quantized (fraction)",
     "flushed_fraction": "non-zero values flushed to zero (fraction)",
-    "scale": "scale",
-    "amax": "amax",
+    "log2_scale": "scale (log2)",
+    "log2_amax": "amax (log2)",
+    "scale": None,
+    "amax": None,
 }
 FLOAT8_TITLE = f"{LAYOUT_TITLE}: float8"
 LAYERS_TITLE = f"{LAYOUT_TITLE}: overflow steps per layer (total)"  # one chart a layer
@@ -103,7 +107,8 @@ def dashboard_layout(
     subnormal range (fraction)" (`gradient_range`); with `layers`, category "Mixed precision:
     overflow steps per layer (total)": one chart a layer, titled with its name; with
     `float8_layers`, category "Mixed precision: float8": per layer, one chart a statistic
-    ("<layer>: saturated (fraction)", ..., see `FLOAT8_STATS`), a line per quantized tensor.
+    ("<layer>: saturated (fraction)", ..., "<layer>: amax (log2)", see `FLOAT8_STATS`), a
+    line per quantized tensor.
 
     Args:
         per_batch: Bool. Whether the run writes per-batch summaries (`update_freq` not
@@ -170,6 +175,8 @@ def _float8_charts(layers: Sequence[str]) -> list[layout_pb2.Chart]:
     charts = []
     for layer in layers:
         for stat, title in FLOAT8_STATS.items():
+            if title is None:
+                continue
             tags = f"^{re.escape(TAGS['float8'])}/{re.escape(layer)}/[a-z_]+/{stat}$"
             lines = layout_pb2.MultilineChartContent(tag=[tags])
             charts.append(layout_pb2.Chart(title=f"{layer}: {title}", multiline=lines))
@@ -184,11 +191,18 @@ def _write_float8(board: TensorBoard, step: int) -> None:
     with tensorboard_writer(board).as_default(), tf.summary.record_if(True):
         for layer in stats:
             for name, tensor in layer.tensors().items():
-                for stat in FLOAT8_STATS:
-                    value = getattr(tensor, stat)
-                    if math.isfinite(value):  # a fraction of no values counted: not written
-                        tag = f"{TAGS['float8']}/{layer.layer}/{name}/{stat}"
-                        tf.summary.scalar(tag, value, step=step)
+                for stat, value in _float8_values(tensor).items():
+                    tag = f"{TAGS['float8']}/{layer.layer}/{name}/{stat}"
+                    tf.summary.scalar(tag, value, step=step)
+
+
+def _float8_values(tensor: Float8TensorStats) -> dict[str, float]:
+    """The `FLOAT8_STATS` of one quantized tensor that have a value (a fraction of no values
+    counted, or the log2 of a zero amax, is not written)."""
+    values = {stat: getattr(tensor, stat, None) for stat in FLOAT8_STATS}
+    values["log2_scale"] = math.log2(tensor.scale) if tensor.scale > 0 else None
+    values["log2_amax"] = math.log2(tensor.amax) if tensor.amax > 0 else None
+    return {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
 
 
 def _profile_batch_value(profile_batch: int | str | Sequence[int]) -> int | list[int]:
