@@ -462,8 +462,14 @@ def float8_stats(model: keras.Model) -> list[Float8LayerStats]:
 
     Example:
 
+    >>> tfmixprec.set_policy("mixed_bfloat16")
+    >>> model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, name="a"),
+    ...     keras.layers.Dense(64, name="b"), keras.layers.Dense(10, name="out")])
+    >>> _ = tfmixprec.float8_layers(model)
     >>> [s.layer for s in tfmixprec.float8_stats(model)]
     ['b']
+    >>> tfmixprec.float8_stats(model)[0].inputs.values  # no training step yet
+    0
     """
     applied = _applied_steps(model)
     return [_layer_stats(layer, applied) for layer in iter_layers(model) if is_float8(layer)]
@@ -544,9 +550,8 @@ class Float8Monitor(keras.callbacks.Callback):
     Example:
 
     >>> monitor = tfmixprec.Float8Monitor()
-    >>> model.fit(x, y, callbacks=[monitor])
-    >>> step, layers = monitor.history[-1]
-    >>> layers[0].outputs_grad.saturated_fraction
+    >>> history = model.fit(x, y, callbacks=[monitor], verbose=0)
+    >>> step, layers = monitor.history[-1]  # one Float8LayerStats per float8 layer
     """
 
     def __init__(self, update_freq: int | str = "epoch") -> None:
