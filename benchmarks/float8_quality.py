@@ -16,6 +16,11 @@ float8 runs emulated on a CPU (see `benchmarks/gpu_check.py` for speed).
 
     python benchmarks/float8_quality.py                 # tiny zoo sizes, 60 steps, a CPU
     python benchmarks/float8_quality.py --size bench --steps 200   # on a GPU
+    python benchmarks/float8_quality.py --growth        # float16 + float8, loss scale growth
+
+With `--growth`: the MLP under `mixed_float16` with two float8 layers and tfmixprec's dynamic
+loss scale (growth every 5 steps), and per step the loss scale and how many of the first
+float8 layer's output-gradient values saturated (`Float8Monitor(update_freq=1)`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size", choices=("tiny", "bench"), default="tiny")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--growth", action="store_true", help="float16 + float8 instead")
     return parser.parse_args(argv)
 
 
@@ -102,8 +108,48 @@ def table(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def growth_table(steps: int) -> list[str]:
+    """Per step of a float16 MLP with float8 layers: the loss scale after the step, and the
+    saturated and flushed output-gradient values of its first float8 layer."""
+    tfmixprec.set_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    (x, y), _ = tfmixprec.datasets.load_digits()
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(128, activation="relu")]
+        + [keras.layers.Dense(128, activation="gelu"), keras.layers.Dense(128)]
+        + [keras.layers.Dense(10)]
+    )
+    tfmixprec.float8_layers(model)
+    tfmixprec.float32_outputs(model)
+    inner = keras.optimizers.Adam(1e-3)
+    optimizer = tfmixprec.LossScaleOptimizer(inner, initial_scale=2.0**10, dynamic_growth_steps=5)
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    monitor, scales = tfmixprec.Float8Monitor(update_freq=1), []
+    read = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: scales.append(optimizer.read_state()["loss_scale"])
+    )
+    n = 64 * steps
+    model.fit(
+        x.reshape(-1, 64)[:n],
+        y[:n],
+        batch_size=64,
+        verbose=0,
+        shuffle=False,
+        callbacks=[monitor, read],
+    )
+    lines = [
+        "| step | loss scale after it | saturated | flushed | values |",
+        "|---|---|---|---|---|",
+    ]
+    for (step, (layer, *_)), scale in zip(monitor.history, scales):
+        grad = layer.outputs_grad
+        lines.append(f"| {step} | {scale:g} | {grad.saturated} | {grad.flushed} | {grad.values} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> list[str]:
-    lines = table(parse_args(argv))
+    args = parse_args(argv)
+    lines = growth_table(min(args.steps, 22)) if args.growth else table(args)
     print("\n".join(lines))
     return lines
 
