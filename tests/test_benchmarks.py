@@ -202,3 +202,19 @@ def test_repair_smoke():
     )
     assert re.search(repaired, out), out
     assert "| 0 of 8 | 0 | `dense_0` (calibrate) |" in out
+
+
+def test_float8_quality_smoke():
+    out = _run("float8_quality.py", "--models", "mlp", "--steps", "4")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| mlp")]
+    assert [(row[1], row[2]) for row in rows] == [
+        ("bfloat16", "0"),
+        ("float8_layers", "1"),
+        ("model.quantize", "3"),
+    ]
+    assert rows[0][4] == "+0.0%" and all(float(row[3]) > 0 for row in rows)
+    out = _run("float8_quality.py", "--growth", "--steps", "7")
+    steps = [line.split(" | ") for line in out.splitlines() if re.match(r"\| \d", line)]
+    assert [int(row[0][2:]) for row in steps] == list(range(1, 8))
+    assert [row[1] for row in steps] == ["1024"] * 4 + ["2048"] * 3  # grows after 5 steps
+    assert all(row[4].strip(" |") == "8192" for row in steps)
