@@ -18,6 +18,8 @@ from tfmixprec.calibration import LayerCalibration
 from tfmixprec.calibration import calibrate
 from tfmixprec.callbacks import LossScaleMonitor
 from tfmixprec.callbacks import OverflowGuard
+from tfmixprec.diagnosis import Float8Quantized
+from tfmixprec.diagnosis import Float8Replay
 from tfmixprec.diagnosis import KeptBatch
 from tfmixprec.diagnosis import LayerReplay
 from tfmixprec.diagnosis import OverflowBatches
@@ -64,6 +66,8 @@ __all__ = [
     "Float8Change",
     "Float8LayerStats",
     "Float8Monitor",
+    "Float8Quantized",
+    "Float8Replay",
     "Float8TensorStats",
     "GPUInfo",
     "GradientRangeMonitor",

@@ -622,3 +622,81 @@ def watch_float8_call(layer: Any, forward: Any, output: Any) -> None:
 def float8_call_watched(layer: Any) -> bool:
     """Whether `watch_float8_call` replaced `layer`'s `_float8_call`."""
     return "_float8_call" in vars(layer)
+
+
+# Why: a replay outside the step (`diagnosis`, `calibration`) differentiates a float8 layer's
+# call eagerly and looks at the tensors it quantizes, and Keras's float8 `Dense` /
+# `EinsumDense` allow neither: their private `_float8_call` hands its variables themselves to
+# `ops.custom_gradient`, whose eager form then finds variables read inside and asks Keras's
+# gradient functions for their gradients (`variables=`), which they do not give ("too many
+# values to unpack"; `fit` works: a `tf.function` traces it another way), and the output
+# gradient it quantizes exists only inside it. Within the block, each float8 layer of
+# `layers` runs the class's `_float8_call` (so the in-step counters of `watch_float8_call`
+# count no replay) with those variables read through a `keras.StatelessScope`, mapped to
+# their values read under the caller's tape (the gradients reach the variables as in the
+# step); `output(layer, x)` sits before the activation, as in `watch_float8_call`, and
+# `seen(layer, inputs, result)` follows the call. Keras 3.12 to 3.15 read `_kernel` and the
+# six `*_scale` / `*_amax_history` variables there. Callers hold `_layers.CALLS_LOCK` (they
+# run inside `watch_leaf_calls`).
+FLOAT8_VARIABLES = (
+    "inputs_scale",
+    "inputs_amax_history",
+    "kernel_scale",
+    "kernel_amax_history",
+    "outputs_grad_scale",
+    "outputs_grad_amax_history",
+)
+
+
+@contextlib.contextmanager
+def float8_replayed(layers: Sequence[Any], seen: Any, output: Any) -> Iterator[None]:
+    quantized = [x for x in layers if getattr(x, "quantization_mode", None) == "float8"]
+    own = {id(layer): vars(layer).get("_float8_call") for layer in quantized}
+    for layer in quantized:
+        object.__setattr__(layer, "_float8_call", _replayed_call(layer, seen, output))
+    try:
+        yield
+    finally:
+        for layer in quantized:
+            if own[id(layer)] is None:
+                object.__delattr__(layer, "_float8_call")
+            else:
+                object.__setattr__(layer, "_float8_call", own[id(layer)])
+
+
+def _replayed_call(layer: Any, seen: Any, output: Any) -> Any:
+    original = type(layer)._float8_call.__get__(layer)
+
+    def call(inputs: Any, training: Any = None, **kwargs: Any) -> Any:
+        variables = [layer._kernel, *(getattr(layer, name) for name in FLOAT8_VARIABLES)]
+        values = [(v, tf.identity(tf.convert_to_tensor(v.value))) for v in variables]
+        activation = layer.activation
+        watched = lambda x: output(layer, x)  # noqa: E731
+        object.__setattr__(
+            layer, "activation", watched if activation is None else lambda x: activation(watched(x))
+        )
+        try:
+            with keras.StatelessScope(state_mapping=values):
+                result = original(inputs, training=training, **kwargs)
+        finally:
+            object.__setattr__(layer, "activation", activation)
+        seen(layer, (inputs,), result)
+        return result
+
+    return call
+
+
+# Why: Keras names a float8 layer's scale and amax-history variables `<tensor>_scale` and
+# `<tensor>_amax_history` (`FLOAT8_VARIABLES`) and marks them `overwrite_with_gradient`: the
+# optimizer assigns their "gradient", the new scale or history (a non-finite amax lands
+# there). A report names the quantized tensor such a variable belongs to.
+def float8_variable_role(variable: Any) -> str | None:
+    """`"outputs_grad amax history"`, `"inputs scale"`, ... for a float8 layer's scale or
+    amax-history variable; None for any other variable."""
+    name = getattr(variable, "name", "").rsplit("/", 1)[-1].split(":")[0]
+    if not getattr(variable, "overwrite_with_gradient", False) or name not in FLOAT8_VARIABLES:
+        return None
+    for kind in ("_amax_history", "_scale"):
+        if name.endswith(kind):
+            return f"{name[: -len(kind)]} {kind[1:].replace('_', ' ')}"
+    return None

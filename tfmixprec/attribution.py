@@ -15,6 +15,7 @@ from typing import Any
 
 import keras
 
+from tfmixprec._keras_compat import float8_variable_role
 from tfmixprec._layers import variable_owners
 from tfmixprec._text import markdown_table
 
@@ -34,12 +35,28 @@ class LayerOverflows:
             counters number steps).
         variables: Tuple of strings. The paths of its variables whose gradients were not
             finite at least once.
+        float8: Tuple of strings. For a float8 layer, which of those variables belong to its
+            float8 quantization, by role (`"outputs_grad amax history"`): Keras keeps each
+            quantized tensor's scale and amax history as variables whose "gradient" is
+            their new value, so an Inf in the tensor quantized (the output gradient of the
+            scaled loss, say) lands in its amax history.
     """
 
     layer: str
     overflow_steps: int
     last_step: int
     variables: tuple[str, ...]
+    float8: tuple[str, ...] = ()
+
+    def labels(self) -> list[str]:
+        """Each of `variables` as a report shows it: a float8 one with its role."""
+        roles = {role.replace(" ", "_"): role for role in self.float8}
+        return [
+            f"`{path}` (float8 {roles[path.rsplit('/', 1)[-1]]})"
+            if path.rsplit("/", 1)[-1] in roles
+            else f"`{path}`"
+            for path in self.variables
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +88,17 @@ class OverflowReport:
             "last_overflow_step": self.last_overflow_step,
             "last_overflow_layers": self.last_overflow_layers,
             "layers": [
-                dataclasses.asdict(row) | {"variables": list(row.variables)} for row in self.layers
+                dataclasses.asdict(row)
+                | {"variables": list(row.variables)}
+                | {"float8": list(row.float8)}
+                for row in self.layers
             ],
         }
 
     def to_markdown(self) -> str:
         """A markdown table, one row a layer (for TensorBoard text summaries and issues)."""
         rows = [
-            (r.layer, r.overflow_steps, r.last_step, ", ".join(f"`{v}`" for v in r.variables))
-            for r in self.layers
+            (r.layer, r.overflow_steps, r.last_step, ", ".join(r.labels())) for r in self.layers
         ]
         lines = [f"**{_steps(self.overflow_steps)}**, last at step {self.last_overflow_step}", ""]
         lines += markdown_table(("layer", "overflow steps", "last step", "variables"), rows)
@@ -101,6 +120,12 @@ class OverflowReport:
         ]
         for row in self.layers:
             lines.append(f"  {row.layer:<{width}}  {row.overflow_steps:>14}  {row.last_step:>9}")
+        for row in self.layers:
+            if row.float8:
+                lines.append(
+                    f"  {row.layer}: the float8 {', '.join(row.float8)} was not finite (Keras "
+                    "keeps the largest |x| of the tensor quantized as its gradient)"
+                )
         return "\n".join(lines)
 
 
@@ -138,12 +163,16 @@ def build_report(
             continue
         owner = owners.get(id(variable))
         name = owner.name if owner is not None else _path_layer(variable)
-        row = rows.setdefault(name, {"count": 0, "last": -1, "variables": []})
+        row = rows.setdefault(name, {"count": 0, "last": -1, "variables": [], "float8": []})
         row["count"] = max(row["count"], int(count))
         row["last"] = max(row["last"], int(last))
         row["variables"].append(getattr(variable, "path", None) or variable.name)
+        role = float8_variable_role(variable)
+        row["float8"] += [role] if role is not None else []
     layers = [
-        LayerOverflows(name, row["count"], row["last"], tuple(row["variables"]))
+        LayerOverflows(
+            name, row["count"], row["last"], tuple(row["variables"]), tuple(row["float8"])
+        )
         for name, row in rows.items()
     ]
     layers.sort(key=lambda row: (-row.overflow_steps, -row.last_step))

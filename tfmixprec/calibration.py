@@ -33,11 +33,12 @@ optimizer slot, statistic or loss scale changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -46,7 +47,7 @@ import tensorflow as tf
 
 from tfmixprec._arrays import float_array, float_arrays, nonfinite_count
 from tfmixprec._dtypes import DTYPE_MAX, FLOAT16_MAX
-from tfmixprec._keras_compat import all_sublayers
+from tfmixprec._keras_compat import all_sublayers, float8_replayed
 from tfmixprec._layers import (
     check_built_model,
     compiled_loss,
@@ -59,6 +60,7 @@ from tfmixprec._layers import (
 from tfmixprec._observe import policies_swapped, state_put_back
 from tfmixprec._text import docs_page, jsonable, markdown_table
 from tfmixprec._validate import check_bool, check_int_at_least_one
+from tfmixprec.float8 import is_float8
 from tfmixprec.gradient_range import gradient_range_stats
 from tfmixprec.loss_scale import LossScaleConfig, format_scale, multiply
 from tfmixprec.policy import PolicyChange, compute_in_float32
@@ -152,27 +154,36 @@ class Replayer:
         self.dtypes = {id(layer): layer.compute_dtype for layer in [model, *iter_layers(model)]}
         self._float32: dict[int, tuple[_Run, ...]] = {}
 
-    def run(self, batch: tuple, scale: float, float32: Sequence[Any] = ()) -> _Run:
+    def run(
+        self, batch: tuple, scale: float, float32: Sequence[Any] = (), plain: bool = False
+    ) -> _Run:
+        """One replay with `float32` in float32 (`float32_swapped`; `plain`: float8 layers
+        without their quantization too), float8 layers differentiated eagerly."""
         x, y, sample_weight = batch
         calls: list[_Call] = []
         record = lambda layer, args, result: calls.append(_call(layer, args, result))  # noqa: E731
         model = self.model
-        with policies_swapped(list(float32), "float32"), state_put_back(model):
-            with watch_leaf_calls(model, record), tf.GradientTape() as tape:
-                y_pred = model(x, training=True)  # as the step runs it (batch statistics)
-                loss = loss_value(self.loss_fn, y, y_pred, sample_weight)
-                scaled = multiply(loss, scale)
-            grads = tape.gradient(scaled, model.trainable_variables)
+        with float32_swapped(list(float32), plain), state_put_back(model):
+            with (
+                watch_leaf_calls(model, record),
+                float8_replayed(iter_layers(model), lambda *_: None, lambda layer, x: x),
+            ):
+                with tf.GradientTape() as tape:
+                    y_pred = model(x, training=True)  # as the step runs it (batch statistics)
+                    loss = loss_value(self.loss_fn, y, y_pred, sample_weight)
+                    scaled = multiply(loss, scale)
+                grads = tape.gradient(scaled, model.trainable_variables)
         return _Run(tuple(calls), float(loss.numpy()), tuple(grads))
 
     def all_runs(self, scale: float, float32: Sequence[Any] = ()) -> list[_Run]:
         return [self.run(batch, scale, float32) for batch in self.batches]
 
     def in_float32(self, index: int) -> _Run:
-        """Batch `index` with every layer in float32, at scale 1 (kept: asked often)."""
+        """Batch `index` with every layer in float32, float8 ones without their quantization,
+        at scale 1 (kept: asked often)."""
         if index not in self._float32:
             everything = [self.model, *iter_layers(self.model)]
-            self._float32[index] = (self.run(self.batches[index], 1.0, everything),)
+            self._float32[index] = (self.run(self.batches[index], 1.0, everything, True),)
         return self._float32[index][0]
 
     def finite_at(self, scale: float, float32: Sequence[Any]) -> bool:
@@ -194,6 +205,48 @@ class Replayer:
         except (tf.errors.OpError, TypeError, ValueError):
             return False
         return True
+
+
+def float32_policy(layer: Any) -> Any:
+    """The policy that makes `layer` compute in float32: `float32`, and for a float8 layer
+    `float8_from_float32`, which keeps its quantization. A plain policy would stop its float8
+    quantization but leave its float8 variables on it (Keras removes none): trained no more,
+    and missing from a model loaded from its saved file, whose optimizer state then no
+    longer fits (tfmixprec's refuses it)."""
+    if is_float8(layer):
+        return keras.dtype_policies.get("float8_from_float32")
+    return keras.DTypePolicy("float32")
+
+
+@contextlib.contextmanager
+def float32_swapped(layers: Sequence[Any], plain: bool = False) -> Iterator[None]:
+    """Within the block, `layers` compute in float32 (`float32_policy`; with `plain`, float8
+    layers without their quantization too); their own policies are back after it."""
+    float8 = [] if plain else [layer for layer in layers if is_float8(layer)]
+    others = [layer for layer in layers if not any(layer is f for f in float8)]
+    with policies_swapped(others, "float32"):
+        with policies_swapped(float8, keras.dtype_policies.get("float8_from_float32")):
+            yield
+
+
+def move_to_float32(model: keras.Model, layers: Sequence[Any]) -> bool:
+    """Makes each of `layers` compute in float32 (`float32_policy`: a float8 layer keeps its
+    quantization) and drops `model`'s traced functions; returns whether the model's saved
+    config records the change (see `policy.compute_in_float32`)."""
+    float8 = [layer for layer in layers if is_float8(layer)]
+    before = _saved_config(model)
+    for layer in float8:
+        layer.dtype_policy = float32_policy(layer)
+    compute_in_float32(model, [layer for layer in layers if not is_float8(layer)])
+    return before is None or _saved_config(model) != before
+
+
+def _saved_config(model: keras.Model) -> Any:
+    """What `model.save` writes of the model's structure (None if it cannot say)."""
+    try:
+        return keras.saving.serialize_keras_object(model)
+    except Exception:  # a model without a config: nothing to compare
+        return None
 
 
 # ------------------------------------------------------------------ the float32 set
@@ -502,11 +555,11 @@ class CalibrationReport:
         layers = self._layers_of(model)
         restart = _scale_setter(model, self.initial_scale) if set_scale else None
         changes = [
-            PolicyChange(path, layer.dtype_policy.name, "float32", why)
+            PolicyChange(path, layer.dtype_policy.name, float32_policy(layer).name, why)
             for (path, why), layer in zip(zip(self.float32_layers, self.reasons), layers)
             if layer.compute_dtype != "float32"
         ]
-        recorded = compute_in_float32(model, layers) if changes else True
+        recorded = move_to_float32(model, layers) if changes else True
         mark_float32(model, {c.layer: f"calibrate: {c.why}" for c in changes})
         if restart is not None:
             changes.append(restart())

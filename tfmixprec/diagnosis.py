@@ -17,6 +17,10 @@ weight, optimizer slot or loss scale. It looks, in this order, for:
   with a float16 layer only: bfloat16 and float32 keep such values);
 - `none`: the batch replays finite at this scale with little underflow.
 
+Where the step overflows, the float8 layers (`tfmixprec.float8_layers`) whose quantization
+saturated or flushed values in the replay are named too, with the format, the scale each
+tensor was quantized with, its amax and the shares (`OverflowDiagnosis.float8`).
+
 `OverflowBatches` keeps the batches of overflow steps on the host, from inside the training
 step (`MixedPrecisionModel.keep_overflow_batches`, and the callbacks' `diagnose=` switch), so
 they can be replayed right after the step.
@@ -36,8 +40,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._arrays import float_arrays, nonfinite_count
-from tfmixprec._dtypes import DTYPE_MAX, FLOAT32_MAX
-from tfmixprec._keras_compat import replace_train_step
+from tfmixprec._dtypes import DTYPE_MAX, FLOAT8_MAX, FLOAT32_MAX
+from tfmixprec._keras_compat import float8_replayed, replace_train_step
 from tfmixprec._layers import (
     check_built_model,
     compiled_loss,
@@ -49,10 +53,19 @@ from tfmixprec._layers import (
 from tfmixprec._observe import policies_swapped
 from tfmixprec._text import docs_page, jsonable, markdown_table
 from tfmixprec._validate import check_float32_scale
+from tfmixprec.float8 import TENSORS, is_float8, quantization_counts
 from tfmixprec.gradient_range import gradient_range_stats
 from tfmixprec.loss_scale import format_scale, multiply
 
-__all__ = ["KeptBatch", "LayerReplay", "OverflowBatches", "OverflowDiagnosis", "explain_overflow"]
+__all__ = [
+    "Float8Quantized",
+    "Float8Replay",
+    "KeptBatch",
+    "LayerReplay",
+    "OverflowBatches",
+    "OverflowDiagnosis",
+    "explain_overflow",
+]
 
 CAUSES = ("bad-data", "forward-overflow", "loss-overflow", "backward-overflow", "underflow", "none")
 UNDERFLOW_SHARE = 0.01  # at least this share of gradients flushing to zero is worth a word
@@ -87,6 +100,82 @@ class LayerReplay:
 
 
 @dataclasses.dataclass(frozen=True)
+class Float8Quantized:
+    """What quantizing one tensor of a float8 layer did in the replay, as the step does it:
+    `x / scale` clipped at the format's largest value and cast to float8.
+
+    Attributes:
+        format: String. `"float8_e4m3fn"` (inputs, kernel) or `"float8_e5m2"` (the output
+            gradient).
+        scale: Float. The scale it was quantized with: the layer's scale variable as it is.
+        amax: Float. The largest |x| of the tensor in the replay, as its amax history would
+            record it (`inf` or `nan` where the tensor holds one).
+        values: Int. The values quantized.
+        saturated: Int. Of those, the ones past the format's largest value at the scale
+            (clipped there; an Inf among them).
+        flushed: Int. Of those, the ones not zero that were zero once quantized.
+    """
+
+    format: str
+    scale: float
+    amax: float
+    values: int
+    saturated: int
+    flushed: int
+
+    @property
+    def saturated_fraction(self) -> float:
+        """Share of the values that saturated (0 when none were quantized)."""
+        return self.saturated / self.values if self.values else 0.0
+
+    @property
+    def flushed_fraction(self) -> float:
+        """Share of the values that were not zero and were once quantized."""
+        return self.flushed / self.values if self.values else 0.0
+
+    def describe(self) -> str:
+        """What went wrong only: `"12.50% saturated (past 57344 x scale 1), amax 1.2e+05"`."""
+        parts = []
+        if self.saturated:
+            limit = f"{FLOAT8_MAX[self.format]:g} x scale {self.scale:.4g}"
+            parts.append(f"{self.saturated_fraction:.2%} saturated (past {limit})")
+        if self.flushed:
+            parts.append(f"{self.flushed_fraction:.2%} flushed to 0 at scale {self.scale:.4g}")
+        return f"{' and '.join(parts)}, amax {self.amax:.4g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Replay:
+    """A float8 layer whose quantization saturated or flushed values in the replay.
+
+    Attributes:
+        layer: String. The layer's name.
+        policy: String. Its dtype policy (`"float8_from_mixed_float16"`, ...).
+        inputs: `Float8Quantized`. Its inputs (e4m3, at `inputs_scale`).
+        kernel: `Float8Quantized`. Its kernel (e4m3, at `kernel_scale`).
+        outputs_grad: `Float8Quantized`. The gradient of the scaled loss at its output (e5m2,
+            at `outputs_grad_scale`), the one the step quantizes.
+    """
+
+    layer: str
+    policy: str
+    inputs: Float8Quantized
+    kernel: Float8Quantized
+    outputs_grad: Float8Quantized
+
+    def tensors(self) -> dict[str, Float8Quantized]:
+        return {name: getattr(self, name) for name, *_ in TENSORS}
+
+    def __str__(self) -> str:
+        found = [
+            f"{name} ({tensor.format[7:]}) {tensor.describe()}"
+            for name, tensor in self.tensors().items()
+            if tensor.saturated or tensor.flushed
+        ]
+        return f"float8 layer {self.layer!r}: " + "; ".join(found)
+
+
+@dataclasses.dataclass(frozen=True)
 class OverflowDiagnosis:
     """What the replay of one batch found: the cause, the layer, and the numbers behind them.
 
@@ -102,6 +191,9 @@ class OverflowDiagnosis:
         finite_scale: Float or None. The scale at which they were finite.
         underflow_fraction: Float. Share of all scaled gradients (float32) below 2^-24.
         layers: Tuple of `LayerReplay`, in forward order.
+        float8: Tuple of `Float8Replay`: where the step overflowed, the float8 layers whose
+            quantization saturated or flushed values in the replay, with the scales they had
+            (empty for a model without float8 layers).
     """
 
     cause: str
@@ -114,6 +206,7 @@ class OverflowDiagnosis:
     finite_scale: float | None
     underflow_fraction: float
     layers: tuple[LayerReplay, ...]
+    float8: tuple[Float8Replay, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The diagnosis as plain Python values (JSON-ready: `inf`/`nan` as strings)."""
@@ -136,11 +229,28 @@ class OverflowDiagnosis:
             for r in self.layers
         ]
         lines += markdown_table((*header, "grad non-finite"), rows)
-        return "\n".join(lines)
+        return "\n".join(lines + _float8_table(self.float8))
 
     def __str__(self) -> str:
         where = f" in layer {self.layer!r}" if self.layer else ""
-        return f"{self.cause}{where}: {self.message}"
+        return "\n".join([f"{self.cause}{where}: {self.message}", *map(str, self.float8)])
+
+
+def _float8_table(records: Sequence[Float8Replay]) -> list[str]:
+    """The float8 layers' quantization in the replay, one row a tensor (none: no lines)."""
+    if not records:
+        return []
+    rows = [
+        (r.layer, name, t.format, f"{t.scale:.4g}", f"{t.amax:.4g}", t.values)
+        + (f"{t.saturated_fraction:.2%}", f"{t.flushed_fraction:.2%}")
+        for r in records
+        for name, t in r.tensors().items()
+    ]
+    header = ("float8 layer", "tensor", "format", "scale", "amax", "values", "saturated")
+    intro = (
+        "float8 quantization in the replay (the scales as they are; the scaled loss's gradient):"
+    )
+    return ["", intro, "", *markdown_table((*header, "flushed to 0"), rows)]
 
 
 def _all_finite(value: Any) -> bool:
@@ -156,32 +266,94 @@ def _output_stats(result: Any) -> tuple[float, int, int]:
     return biggest, nan, inf
 
 
+class _Float8Counts:
+    """A replay's float8 layers: per layer and quantized tensor, `quantization_counts` (values,
+    saturated, flushed) summed over its calls, and the largest |x|."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, Any] = {}
+        self.counts: dict[tuple[int, str], list] = {}
+
+    def forward(self, layer: Any, inputs: Any) -> None:
+        self.add(layer, "inputs", inputs)
+        self.add(layer, "kernel", keras.ops.cast(layer.kernel, layer.compute_dtype))
+
+    def output(self, layer: Any, x: Any) -> Any:
+        @tf.custom_gradient
+        def watched(x: Any) -> Any:
+            def grad(upstream: Any) -> Any:
+                self.add(layer, "outputs_grad", upstream)
+                return upstream
+
+            return tf.identity(x), grad
+
+        return watched(x)
+
+    def add(self, layer: Any, name: str, x: Any) -> None:
+        _, scale, _, fmt = next(entry for entry in TENSORS if entry[0] == name)
+        scale = tf.convert_to_tensor(getattr(layer, scale))
+        values, saturated, _, flushed = quantization_counts(x, scale, fmt).numpy().tolist()
+        x = tf.cast(x, tf.float32)
+        amax = float(tf.reduce_max(tf.abs(x))) if values else 0.0  # as its amax history sees it
+        self.layers.setdefault(id(layer), layer)
+        total = self.counts.setdefault((id(layer), name), [fmt, float(scale), 0.0, 0, 0, 0])
+        amax = math.nan if math.isnan(amax) or math.isnan(total[2]) else max(amax, total[2])
+        total[2:] = [amax, total[3] + values, total[4] + saturated, total[5] + flushed]
+
+    def records(self) -> tuple[Float8Replay, ...]:
+        """The layers whose quantization saturated or flushed a value, in forward order."""
+        found = []
+        for key, layer in self.layers.items():
+            tensors = {  # no gradient reached its output: nothing quantized there
+                name: Float8Quantized(
+                    *self.counts.get(
+                        (key, name), [fmt, _value(getattr(layer, scale)), 0.0, 0, 0, 0]
+                    )
+                )
+                for name, scale, _, fmt in TENSORS
+            }
+            if any(t.saturated or t.flushed for t in tensors.values()):
+                found.append(Float8Replay(layer.name, layer.dtype_policy.name, **tensors))
+        return tuple(found)
+
+
+def _value(variable: Any) -> float:
+    return float(keras.ops.convert_to_numpy(variable))
+
+
 @dataclasses.dataclass
 class _Pass:
     """One replay: per layer call, (layer, compute dtype, output stats, input stats); the stats
-    are (largest finite |x|, NaN count, Inf count)."""
+    are (largest finite |x|, NaN count, Inf count); the float8 layers' quantization."""
 
     calls: list[tuple[Any, str, tuple[float, int, int], tuple[float, int, int]]]
     y_pred: Any
     loss: float
     grads: list[Any]
+    float8: _Float8Counts
 
 
 def _replay(model: keras.Model, data: tuple, loss_fn: Callable, scale: float) -> _Pass:
-    """Forward (inference mode) and backward of the loss times `scale`, watching each layer."""
+    """Forward (inference mode) and backward of the loss times `scale`, watching each layer
+    (and what quantizing does to the tensors of float8 layers)."""
     x, y, sample_weight = data
     calls: list[tuple[Any, str, tuple[float, int, int], tuple[float, int, int]]] = []
+    float8 = _Float8Counts()
 
     def record(layer: Any, args: tuple, result: Any) -> None:
         calls.append((layer, layer.compute_dtype, _output_stats(result), _output_stats(args)))
 
+    def seen(layer: Any, args: tuple, result: Any) -> None:
+        float8.forward(layer, args[0])
+
     variables = model.trainable_variables
-    with watch_leaf_calls(model, record), tf.GradientTape() as tape:
-        y_pred = model(x, training=False)
-        loss = loss_value(loss_fn, y, y_pred, sample_weight)
-        scaled = multiply(loss, scale)
-    grads = tape.gradient(scaled, variables)
-    return _Pass(calls, y_pred, float(loss.numpy()), grads)
+    with watch_leaf_calls(model, record), float8_replayed(iter_layers(model), seen, float8.output):
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=False)
+            loss = loss_value(loss_fn, y, y_pred, sample_weight)
+            scaled = multiply(loss, scale)
+        grads = tape.gradient(scaled, variables)
+    return _Pass(calls, y_pred, float(loss.numpy()), grads, float8)
 
 
 def _in_float32(model: keras.Model, run: Callable[[], _Pass]) -> _Pass:
@@ -254,10 +426,15 @@ def _bad_data(data: tuple) -> OverflowDiagnosis | None:
     return None
 
 
-def _forward_advice(dtype: str, float32_max: float) -> str:
+def _forward_advice(dtype: str, float32_max: float, float8: bool = False) -> str:
     """What the float32 replay says of a layer whose output overflowed in `dtype`."""
     limit = DTYPE_MAX.get(dtype, math.inf)
     fix = 'Run it in float32 (dtype="float32" on the layer), or use mixed_bfloat16'
+    if float8:  # a plain float32 policy would drop its quantization, not its float8 variables
+        fix = (
+            "Run it in float32 and keep its float8 quantization (layer.dtype_policy = "
+            '"float8_from_float32"), or use mixed_bfloat16'
+        )
     if not math.isfinite(float32_max):
         return (
             "it is not finite even in float32: the weights or the model diverge, not the "
@@ -302,7 +479,7 @@ def _forward_source(run: _Pass, run32: _Pass) -> OverflowDiagnosis | None:
     ]
     for (layer, dtype, (_, nan, inf), (_, in_nan, in_inf)), call32 in bad:
         if not (in_nan or in_inf):
-            advice = _forward_advice(dtype, _float32_max(call32[2]))
+            advice = _forward_advice(dtype, _float32_max(call32[2]), is_float8(layer))
             return _verdict(
                 "forward-overflow", layer.name, f"{nan + inf} NaN/Inf in its output; {advice}"
             )
@@ -423,8 +600,9 @@ def explain_overflow(
             losses (weighted and averaged as Keras does), or None for the compiled loss.
 
     Returns:
-        An `OverflowDiagnosis`: `cause`, `layer`, `message`, the numbers behind them and a
-        per-layer table (`print` it, or `to_dict()` / `to_markdown()`).
+        An `OverflowDiagnosis`: `cause`, `layer`, `message`, the numbers behind them, a
+        per-layer table and, where the step overflows, the float8 layers whose quantization
+        saturated or flushed values (`print` it, or `to_dict()` / `to_markdown()`).
 
     Raises:
         TypeError: If `model` is not a `keras.Model`.
@@ -466,13 +644,29 @@ def explain_overflow(
             "flush to zero in float16; a larger loss scale (or dynamic scaling) keeps them.",
         )
     return dataclasses.replace(
-        verdict,
+        _with_float8(verdict, run.float8.records()),
         loss_scale=scale,
         loss=run.loss,
         scaled_loss=run.loss * scale,
         underflow_fraction=underflow,
         layers=tuple(rows),
     )
+
+
+_OVERFLOWS = ("forward-overflow", "loss-overflow", "backward-overflow")
+
+
+def _with_float8(verdict: OverflowDiagnosis, records: tuple) -> OverflowDiagnosis:
+    """Where the step overflows: the float8 layers whose quantization saturated or flushed
+    values, named in the message with the scales they had."""
+    if verdict.cause not in _OVERFLOWS or not records:
+        return verdict
+    named = ", ".join(repr(record.layer) for record in records)
+    said = (
+        f" In float8, {named} saturated or flushed values at the scales they had (below): "
+        "delayed scaling sets those from the amax of earlier steps."
+    )
+    return dataclasses.replace(verdict, message=verdict.message + said, float8=records)
 
 
 def _computes_in_float16(model: keras.Model) -> bool:

@@ -43,12 +43,13 @@ from tfmixprec.calibration import (
     Replayer,
     float32_set,
     layer_keys,
+    move_to_float32,
     starting_scale,
     warn_not_recorded,
 )
 from tfmixprec.diagnosis import keep_for_callbacks, stop_keeping_for_callbacks
+from tfmixprec.float8 import is_float8
 from tfmixprec.loss_scale import format_scale
-from tfmixprec.policy import compute_in_float32
 
 __all__ = ["PrecisionRepair", "Repair"]
 
@@ -69,6 +70,10 @@ class Repair:
             replay verifies finite with the layers moved (as `calibrate`'s `initial_scale`);
             the overflows before the repair had lowered it, for a cause now gone. 0: none (or
             a fixed scale, `dynamic=False`, which a repair leaves as it is).
+        float8: Tuple of strings. Those of `layers` that are float8 layers: they compute in
+            float32 and keep their float8 quantization (`float8_from_float32`). Keras
+            cannot take a float8 layer back to its float16 policy in a `fit`: its float8
+            variables would stay on it, and the saved model would not load.
     """
 
     step: int
@@ -76,6 +81,7 @@ class Repair:
     cause: str
     message: str
     loss_scale: float = 0.0
+    float8: tuple[str, ...] = ()
 
     @property
     def repaired(self) -> bool:
@@ -83,13 +89,16 @@ class Repair:
 
     def to_markdown(self) -> str:
         """The line and the layers, for TensorBoard's Text tab."""
-        rows = [f"- `{layer}`" for layer in self.layers]
+        rows = [f"- `{layer}`{self._float8_note(layer)}" for layer in self.layers]
         return "\n".join([f"**step {self.step}**: {self.line()}", "", *rows])
+
+    def _float8_note(self, layer: str) -> str:
+        return " (float8, quantization kept: float8_from_float32)" if layer in self.float8 else ""
 
     def line(self) -> str:
         if not self.repaired:
             return f"not repaired ({self.cause}): {self.message}"
-        names = ", ".join(repr(layer) for layer in self.layers)
+        names = ", ".join(f"{layer!r}{self._float8_note(layer)}" for layer in self.layers)
         line = f"{names} now compute in float32 ({self.cause}: {self.message})"
         if self.loss_scale > 0:  # 0: a fixed scale, left as it was
             line += f"; the loss scale goes on from {format_scale(self.loss_scale)}"
@@ -124,6 +133,10 @@ class PrecisionRepair(keras.callbacks.Callback):
     `verbose=1`); the epoch's logs get `repairs`, the number made so far (a History key), and
     `tfmixprec.TensorBoard` writes each one as a `mixed_precision/repairs` text at its step.
     A repaired functional or Sequential model saves its new policies in its `.keras` file.
+    A float8 layer (`tfmixprec.float8_layers`) that must move computes in float32 and keeps
+    its float8 quantization (`float8_from_float32`), named as float8 in the repair: Keras
+    cannot take it back to its float16 policy during `fit` (its float8 variables would stay
+    on it, trained no more, and the saved model would not load with its optimizer).
 
     After a repair the loss scale goes on from the level the replay verifies finite with the
     layers moved (as `calibrate`'s `initial_scale`): the overflows had lowered it for a cause
@@ -239,15 +252,17 @@ class PrecisionRepair(keras.callbacks.Callback):
         keys = layer_keys(self.model)
         message = found.problem or f"{keys[id(layers[0])]!r}: {found.layers[0][1]}"
         names = tuple(keys[id(layer)] for layer in layers)
+        float8 = tuple(keys[id(layer)] for layer in layers if is_float8(layer))
         dynamic = self._reader.optimizer.dynamic  # a fixed scale is left as it is
-        judgment = Repair(step, names, found.cause, message, scale if layers and dynamic else 0.0)
+        scale = scale if layers and dynamic else 0.0
+        judgment = Repair(step, names, found.cause, message, scale, float8)
         self.judgments.append(judgment)
         if judgment.repaired:
-            recorded = compute_in_float32(self.model, layers)
+            recorded = move_to_float32(self.model, layers)
             reason = f"PrecisionRepair at step {step} ({judgment.cause})"
             mark_float32(self.model, {layer: reason for layer in judgment.layers})
             if judgment.loss_scale > 0:
-                self._reader.optimizer.restart_at(scale)
+                self._reader.optimizer.restart_at(judgment.loss_scale)
             self.model.make_train_function(force=True)
             self.repairs.append(judgment)
             _record(self.model, judgment)
