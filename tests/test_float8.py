@@ -113,6 +113,7 @@ def test_refuses_a_distributed_model_outside_its_scope(two_cpu_strategy):
 
 
 def test_zoo_models_quantize_their_blocks_only():
+    pytest.importorskip("keras_hub")  # the minimum-versions run has no KerasHub
     tfmixprec.set_policy("mixed_bfloat16")
     gpt2 = tfmixprec.zoo.build("gpt2", size="tiny").model
     names = [c.layer for c in tfmixprec.float8_layers(gpt2)]
@@ -388,6 +389,7 @@ def _zoo_loss(name, float8_too, steps=60):
 
 
 def test_float8_zoo_models_train_like_bfloat16():
+    pytest.importorskip("keras_hub")  # the minimum-versions run has no KerasHub
     # GPT-2: within 2% of bfloat16's loss after 60 steps (measured: 0.02%).
     bf16, _ = _zoo_loss("gpt2", False)
     f8, _ = _zoo_loss("gpt2", True)
