@@ -145,7 +145,9 @@ def test_todays_file_is_by_name_and_round_trips_exactly(tmp_path):
     model, opt = _trained(accumulation=3, steps=5)  # one window applied, two micro-batches summed
     store = {}
     opt.save_own_variables(store)
-    assert store["tfmixprec_state_format"] == 1
+    assert store["tfmixprec_state_format"] == 2
+    paths = bytes(store["tfmixprec_variable_paths"]).decode().split("\n")
+    assert paths == [v.path for v in model.trainable_variables]
     names = {"micro_step", "accumulated_gradient_3", "min_scale_overflows", "inner_0"}
     assert names <= set(store)
     model.save(tmp_path / "m.keras")
@@ -180,3 +182,53 @@ def test_a_state_that_does_not_fit_is_refused_before_anything_is_assigned():
     newer = {**store, "tfmixprec_state_format": np.array(9)}
     with pytest.raises(ValueError, match=r"format 9, written by a newer tfmixprec"):
         opt.load_own_variables(newer)
+
+
+def test_a_format_1_file_loads_by_position():
+    """A file of format 1 (tfmixprec 0.4 up to issue 30) has no variable paths: its
+    per-variable state loads in the order it was saved."""
+    model, opt = _trained(accumulation=3, steps=5)
+    store = {}
+    opt.save_own_variables(store)
+    del store["tfmixprec_variable_paths"]
+    store["tfmixprec_state_format"] = np.array(1)
+    fresh = tfmixprec.LossScaleOptimizer(keras.optimizers.Adam(), accumulation_steps=3)
+    fresh.build(model.trainable_variables)
+    fresh.load_own_variables(store)
+    for key, value in _today(opt).items():
+        assert np.array_equal(_today(fresh)[key], value), key
+
+
+def test_per_variable_state_follows_the_variables_of_a_reloaded_float8_model(tmp_path):
+    """A float8 model loaded from its file lists the float8 scale variables before its kernel
+    (Keras rebuilds them so): the overflow counts and the accumulated gradients of each
+    variable come back to that variable, not to the one at its old position."""
+    tfmixprec.set_policy("mixed_float16")
+    inputs = keras.Input((32,))
+    hidden = keras.layers.Dense(32, name="a")(inputs)
+    hidden = keras.layers.Dense(32, name="b")(hidden)
+    outputs = keras.layers.Dense(4, name="out", dtype="float32")(hidden)
+    model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+    tfmixprec.float8_layers(model)
+    opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(0.01), accumulation_steps=2)
+    model.compile(opt, "mse")
+    x = np.ones((24, 32), "float32")
+    x[0, 0] = 1e30  # an overflow in the first window
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a fit ending inside a window says so
+        model.fit(x, np.zeros((24, 4)), batch_size=8, verbose=0, shuffle=False)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    before = [v.path for v in opt.tracked_variables()]
+    after = [v.path for v in loaded.optimizer.tracked_variables()]
+    assert sorted(before) == sorted(after) and before != after  # the order Keras rebuilds in
+
+    def sums(optimizer):
+        summed = [v for v in optimizer.variables if v.path.endswith("accumulated_gradient")]
+        return {t.path: s.numpy().tobytes() for t, s in zip(optimizer.tracked_variables(), summed)}
+
+    report = str(tfmixprec.overflow_report(loaded))
+    assert report == str(tfmixprec.overflow_report(model))
+    assert "b: the float8 inputs amax history, outputs_grad amax history was not finite" in report
+    assert sums(loaded.optimizer) == sums(opt)
+    assert any(np.any(v.numpy()) for v in loaded.optimizer.variables if "accumulated" in v.path)

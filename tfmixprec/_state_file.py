@@ -7,6 +7,12 @@ a file from one release was read into the wrong variables of the next. So tfmixp
 state is saved under its names, next to `FORMAT_KEY`, and the inner optimizer's variables
 (Keras's, whose layout tfmixprec does not change) by position under `inner_<i>`.
 
+The state kept per trained variable (the overflow counts, the accumulated gradients) follows
+the variables' paths, saved under `PATHS_KEY` (format 2): a model loaded from a file may list
+its variables in another order than the one that saved it (Keras's float8 layers create
+their scale variables before the kernel when they are rebuilt), and each entry goes back to
+the variable it belongs to.
+
 A file from tfmixprec 0.1 to 0.3 holds the state by position. It is read through the layout
 of the release that wrote it, recognized by the number, order and shapes of its arrays: it
 loads exactly (variables that release did not have start fresh), or it is refused with an
@@ -23,8 +29,10 @@ import numpy as np
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
-FORMAT = 1  # the first by-name layout (tfmixprec 0.4)
+FORMAT = 2  # 1: the first by-name layout (tfmixprec 0.4); 2: with the variables' paths
 FORMAT_KEY = "tfmixprec_state_format"
+PATHS_KEY = "tfmixprec_variable_paths"  # the trained variables' paths, in the state's order
+_PER_VARIABLE = ("nonfinite_steps", "last_nonfinite_step")  # one entry a trained variable
 INNER = "inner_"
 
 # The optimizer's own variables by position in the releases before FORMAT, after Keras's
@@ -70,20 +78,26 @@ def own_state(variables: Sequence[Any]) -> list[tuple[str, Any]]:
     return named
 
 
-def save(own: Sequence[Any], inner: Sequence[Any], store: Any) -> None:
+def save(own: Sequence[Any], inner: Sequence[Any], store: Any, trained: Sequence[Any]) -> None:
     """Writes the state by name (`own`: the optimizer's own variables; `inner`: its inner
-    optimizer's)."""
+    optimizer's; `trained`: the variables it was built with, whose paths are saved)."""
     store[FORMAT_KEY] = np.array(FORMAT)
+    store[PATHS_KEY] = _encoded([v.path for v in trained])
     for key, variable in own_state(own):
         store[key] = variable.numpy()
     for i, variable in enumerate(inner):
         store[f"{INNER}{i}"] = variable.numpy()
 
 
-def load(own: Sequence[Any], inner: Sequence[Any], store: Any, what: str) -> None:
-    """Reads a file's state into the variables (`what` names the optimizer in errors)."""
+def load(
+    own: Sequence[Any], inner: Sequence[Any], store: Any, what: str, trained: Sequence[Any]
+) -> None:
+    """Reads a file's state into the variables (`what` names the optimizer in errors;
+    `trained`: the variables it was built with)."""
     keys = list(store.keys())
-    plan = _named_plan(own, inner, store, keys, what) if FORMAT_KEY in keys else None
+    plan = None
+    if FORMAT_KEY in keys:
+        plan = _named_plan(own, inner, store, keys, what, [v.path for v in trained])
     if plan is None:
         plan = _legacy_plan(own, inner, store, keys, what)
     for variable, value in plan:  # everything checked: now assign
@@ -91,7 +105,12 @@ def load(own: Sequence[Any], inner: Sequence[Any], store: Any, what: str) -> Non
 
 
 def _named_plan(
-    own: Sequence[Any], inner: Sequence[Any], store: Any, keys: list[str], what: str
+    own: Sequence[Any],
+    inner: Sequence[Any],
+    store: Any,
+    keys: list[str],
+    what: str,
+    paths: list[str],
 ) -> list[tuple[Any, Any]]:
     version = int(np.asarray(store[FORMAT_KEY]))
     if version > FORMAT:
@@ -100,17 +119,48 @@ def _named_plan(
             f"tfmixprec (this one reads up to {FORMAT}). Upgrade tfmixprec to load it."
         )
     mine = dict(own_state(own))
-    theirs = {k for k in keys if k != FORMAT_KEY and not k.startswith(INNER)}
+    theirs = {k for k in keys if k not in (FORMAT_KEY, PATHS_KEY) and not k.startswith(INNER)}
     missing, extra = sorted(set(mine) - theirs), sorted(theirs - set(mine))
     if missing or extra:
         raise ValueError(
             f"{what}: the file's optimizer state does not fit this optimizer; "
             + _difference(missing, extra)
         )
-    plan = [(mine[key], np.asarray(store[key])) for key in mine]
+    values = {key: np.asarray(store[key]) for key in mine}
+    if PATHS_KEY in keys:
+        saved = _decoded(np.asarray(store[PATHS_KEY]))
+        values = _follow_paths(values, saved, paths)
+    plan = [(mine[key], values[key]) for key in mine]
     plan += _inner_plan(inner, [np.asarray(store[f"{INNER}{i}"]) for i in range(_count(keys))])
     _check_shapes(plan, what)
     return plan
+
+
+def _encoded(paths: list[str]) -> np.ndarray:
+    """`paths` as the bytes of their UTF-8 text, one a line (Keras's stores take numbers)."""
+    return np.frombuffer("\n".join(paths).encode(), dtype=np.uint8).copy()
+
+
+def _decoded(array: np.ndarray) -> list[str]:
+    text = array.astype(np.uint8).tobytes().decode()
+    return text.split("\n") if text else []
+
+
+def _follow_paths(values: dict[str, Any], saved: list[str], paths: list[str]) -> dict[str, Any]:
+    """`values` with the per-variable state moved from the order of the `saved` paths to the
+    order of `paths` (this optimizer's variables), when both name the same variables once
+    each; else as they are (the shapes are checked next)."""
+    if saved == paths or sorted(saved) != sorted(paths) or len(set(paths)) != len(paths):
+        return values
+    order = [saved.index(path) for path in paths]  # this optimizer's j-th: the file's order[j]
+    moved = dict(values)
+    for key in _PER_VARIABLE:
+        if key in values and np.shape(values[key]) == (len(order),):
+            moved[key] = np.asarray(values[key])[order]
+    sums = [f"{_SUMS}_{i}" for i in range(len(order))]
+    if all(key in values for key in sums):
+        moved.update({key: values[sums[order[j]]] for j, key in enumerate(sums)})
+    return moved
 
 
 def _count(keys: list[str]) -> int:

@@ -386,14 +386,18 @@ class _LossScaleUpkeep:
         """Writes the state for a `.keras` / `.weights.h5` file: tfmixprec's own variables by
         name, with a format version (see `tfmixprec._state_file`), the inner optimizer's by
         position."""
-        save(*self._own_and_inner(), store)
+        save(*self._own_and_inner(), store, self._trained())
 
     def load_own_variables(self, store: Any) -> None:
         """Reads a file's state: by name; a file from tfmixprec 0.1 to 0.3 (by position)
         through the layout of the release that wrote it (what it lacks starts fresh). A file
         whose state does not fit this optimizer is refused with a `ValueError` before
         anything is assigned."""
-        load(*self._own_and_inner(), store, f"optimizer {self.name!r}")
+        load(*self._own_and_inner(), store, f"optimizer {self.name!r}", self._trained())
+
+    def _trained(self) -> list[Any]:
+        """The variables it was built with (none before it is built)."""
+        return self.tracked_variables() if self.built else []
 
     def _own_and_inner(self) -> tuple[list[Any], list[Any]]:
         inner = list(self.inner_optimizer.variables)
