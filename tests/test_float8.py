@@ -401,3 +401,75 @@ def test_float8_zoo_models_train_like_bfloat16():
     f8, _ = _zoo_loss("vit", True)
     assert abs(f8 - bf16) <= 0.02 * start, (f8, bf16, start)
     assert f8 < 0.1 * start
+
+
+def test_layers_of_the_same_name_are_told_apart():
+    """A KerasHub GPT-2 of two blocks has a `query` (and so on) in each: the reports name them
+    by path, and each read's counts are that layer's own."""
+    keras_hub = pytest.importorskip("keras_hub")
+    tfmixprec.set_policy("mixed_bfloat16")
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=64,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=8,
+        dropout=0.0,
+    )
+    inputs = keras.Input((8,), dtype="int32")
+    hidden = backbone({"token_ids": inputs, "padding_mask": keras.ops.ones_like(inputs)})
+    model = keras.Model(inputs, keras.layers.Dense(16, name="head")(hidden))
+    changes = [c.layer for c in tfmixprec.float8_layers(model)]
+    assert len(changes) == len(set(changes)) == 12
+    assert "transformer_layer_1/self_attention/query" in [
+        c.split("gpt2_backbone/")[-1] for c in changes
+    ]
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).integers(0, 64, (16, 8))
+    monitor = tfmixprec.Float8Monitor(update_freq=1)
+    totals = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: totals.append(tfmixprec.float8_stats(model))
+    )
+    model.fit(x, x % 16, batch_size=4, verbose=0, callbacks=[monitor, record])
+    for (_, read), now, before in zip(monitor.history[1:], totals[1:], totals):
+        assert [s.layer for s in read] == changes
+        assert read == [a.since(b) for a, b in zip(now, before)]
+        assert all(t.values == 0 or t.zero >= 0 for s in read for t in s.tensors().values())
+
+
+def test_a_lora_layer_stays_out():
+    tfmixprec.set_policy("mixed_bfloat16")
+    model = _recipe_model()
+    model.get_layer("middle").enable_lora(4)
+    plan = {layer.name: why for layer, why in float8.float8_plan(model)}
+    assert plan["middle"] == "LoRA is enabled (Keras's float8 layers do not support LoRA)"
+    assert [c.layer for c in tfmixprec.float8_layers(model)] == ["last_hidden"]
+
+
+class NoTraining(keras.Model):
+    """A subclassed model whose `call` does not pass `training` on to its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = keras.layers.Dense(64, name="first")
+        self.middle = keras.layers.Dense(64, name="middle")
+        self.out = keras.layers.Dense(16, name="logits")
+
+    def call(self, x):
+        return self.out(self.middle(self.first(x)))
+
+
+def test_layers_never_called_in_training_are_said():
+    tfmixprec.set_policy("mixed_bfloat16")
+    model = NoTraining()
+    model.build((None, 32))
+    assert [c.layer for c in tfmixprec.float8_layers(model)] == ["middle"]
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(True))
+    x, y = _data()
+    warnings.filterwarnings("ignore", "Gradients do not exist")  # Keras's, for the scales
+    frozen = r"'middle': its inputs amax history is still all zeros .*\(no training call"
+    with pytest.warns(UserWarning, match=frozen):
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[tfmixprec.Float8Monitor()])

@@ -217,3 +217,45 @@ def test_a_skipped_step_under_two_replicas(entry, two_cpu_strategy):
     before = _float8(_model())
     model, seen = _train(entry, 5, FaultInjector(5, steps=[2]), two_cpu_strategy)
     _check_skipped_step(model, seen, before)
+
+
+def _window_model(optimizer):
+    C = keras.initializers.Constant
+    with tfmixprec.policy_scope("mixed_bfloat16"):
+        inputs = keras.Input((32,))
+        hidden = keras.layers.Dense(32, name="a", kernel_initializer=C(1 / 32))(inputs)
+        hidden = keras.layers.Dense(32, name="b", kernel_initializer=C(1 / 32))(hidden)
+        outputs = keras.layers.Dense(1, name="out", dtype="float32", kernel_initializer=C(0.5))(
+            hidden
+        )
+        model = keras.Model(inputs, outputs)
+        assert [c.layer for c in tfmixprec.float8_layers(model)] == ["b"]
+        model.compile(optimizer, "mse")
+    return model
+
+
+def _window_histories(optimizer, strategy=None):
+    """b's newest inputs and outputs_grad amax after one window of two micro-batches whose
+    inputs reach `b` as 1 and as 64."""
+    x = np.concatenate([np.ones((4, 32)), 64 * np.ones((4, 32))]).astype("float32")
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = _window_model(optimizer())
+    model.fit(x, np.zeros((8, 1), "float32"), batch_size=4, verbose=0, shuffle=False)
+    b = model.get_layer("b")
+    return b.inputs_amax_history.numpy()[0], b.outputs_grad_amax_history.numpy()[0]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_accumulation_window_keeps_the_largest_amax_as_keras_does(replicas, two_cpu_strategy):
+    """One window writes the larger micro-batch's amax into b's histories, as Keras's own
+    gradient accumulation does (not the mean of the two); across 2 replicas too (Keras's own
+    accumulation does not run under a MirroredStrategy: compared with it on one device)."""
+    keras_way = _window_histories(lambda: keras.optimizers.SGD(0.0, gradient_accumulation_steps=2))
+    ours = _window_histories(
+        lambda: tfmixprec.LossScaleOptimizer(
+            keras.optimizers.SGD(0.0), dynamic=False, initial_scale=1.0, accumulation_steps=2
+        ),
+        two_cpu_strategy if replicas == 2 else None,
+    )
+    assert ours[0] == keras_way[0] == 64.0
+    assert ours[1] == keras_way[1] > 0

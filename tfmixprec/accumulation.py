@@ -7,7 +7,9 @@ once: the finite flags and the gradients are all-reduced then, once per applied 
 step equals one batch as large as the window's micro-batches on all replicas together. A
 micro-batch with an Inf/NaN on any replica spoils the whole window: the mean of each variable
 whose gradient was not finite reaches the finite check as a NaN, so every replica skips the
-window, the scale backs off once, and the overflow is attributed to those variables.
+window, the scale backs off once, and the overflow is attributed to those variables. A
+variable the optimizer overwrites with its "gradient" (a float8 scale or amax history) gets
+the window's largest value instead of the mean, as in Keras's own accumulation.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ def _add(copy: Any, value: Any) -> Any:
 
 def _assign_max(copy: Any, value: Any) -> Any:
     return copy.assign(tf.maximum(copy.read_value(), value))
+
+
+def _overwritten(variable: Any) -> bool:
+    """Whether the optimizer overwrites `variable` with its "gradient" (a float8 layer's new
+    scale or amax history): a window keeps the largest of its micro-batches' values, as
+    Keras's own gradient accumulation does, not their mean."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 def _clear(copy: Any) -> Any:
@@ -97,7 +106,9 @@ class GradientAccumulator(tf.Module):
             values = tf.where(finite, tf.cast(values, total.dtype), tf.zeros((), total.dtype))
             if isinstance(grad, tf.IndexedSlices):
                 values = tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-            updates.append((total, _add, (values,)))
+            updates.append(
+                (total, _assign_max if _overwritten(variables[index]) else _add, (values,))
+            )
         window = tf.cast(nonfinite, self.window_nonfinite.dtype)
         one = tf.constant(1, self.micro_step.dtype)
         updates += [
@@ -127,7 +138,7 @@ class GradientAccumulator(tf.Module):
                 tf.where(
                     window[i] > 0,
                     tf.constant(nan, total.dtype),
-                    total.value.read_value() / self.steps,
+                    total.value.read_value() / (1 if _overwritten(variable) else self.steps),
                 ),
                 variable.dtype,
             )

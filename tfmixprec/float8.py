@@ -18,6 +18,7 @@ every such layer, the float32 output layer included, and shows nothing of what h
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import warnings
@@ -64,7 +65,8 @@ class Float8Change:
     """One layer `float8_layers` quantized.
 
     Attributes:
-        layer: String. The layer's name.
+        layer: String. The layer's name, or its path (`layer.path`) where the model has
+            another layer of that name (a KerasHub model has a `query` in every block).
         old: String. Its policy before (`mixed_bfloat16`, ...).
         new: String. Its policy now (`float8_from_mixed_bfloat16`, ...).
         dims: Tuple `(K, N)`. Its matmul's contracted and output dimensions.
@@ -74,6 +76,14 @@ class Float8Change:
     old: str
     new: str
     dims: tuple[int, int]
+
+
+def layer_labels(model: keras.Model) -> dict[int, str]:
+    """How the float8 reports name each layer of `model` (by `id`): its name, or its path
+    where another layer of the model has the same name."""
+    layers = iter_layers(model)
+    counts = collections.Counter(layer.name for layer in layers)
+    return {id(x): x.name if counts[x.name] == 1 else x.path for x in layers}
 
 
 def is_float8(layer: Any) -> bool:
@@ -116,6 +126,8 @@ def float8_reason(layer: Any, first: set[int], outputs: set[int]) -> str | None:
         return "not a Dense or EinsumDense (Keras quantizes only those to float8)"
     if getattr(layer, "quantization_mode", None) is not None:
         return f"already quantized ({layer.quantization_mode})"
+    if getattr(layer, "lora_enabled", False):
+        return "LoRA is enabled (Keras's float8 layers do not support LoRA)"
     if layer.dtype_policy.compute_dtype not in LOW_PRECISION:
         return f"computes in {layer.dtype_policy.compute_dtype} (the policy leaves it out)"
     if id(layer) in outputs:
@@ -205,7 +217,9 @@ def float8_layers(model: keras.Model, exclude: Sequence[str] = ()) -> list[Float
         model: `keras.Model`. A built model under `mixed_float16` or `mixed_bfloat16`, not
             trained yet (call it before the first `fit`; under a `tf.distribute` strategy,
             inside its scope).
-        exclude: List of strings. Names (or paths) of layers to leave as they are.
+        exclude: List of strings. Paths (or names: a name leaves out every layer of that
+            name, e.g. `query` in each block of a KerasHub model) of layers to leave as they
+            are.
 
     Returns:
         List of `Float8Change(layer, old, new, dims)`, one per quantized layer.
@@ -227,12 +241,12 @@ def float8_layers(model: keras.Model, exclude: Sequence[str] = ()) -> list[Float
     exclude = _check_exclude(model, exclude)
     _check_can_quantize(model)
     chosen = [layer for layer, reason in float8_plan(model, exclude) if reason is None]
-    changes = []
+    changes, labels = [], layer_labels(model)
     for layer in chosen:
         old, dims = layer.dtype_policy.name, matmul_dims(layer)
         unroute(layer)  # a float16 CPU route would compute it without float8
         layer.quantize("float8")
-        changes.append(Float8Change(layer.name, old, layer.dtype_policy.name, dims))
+        changes.append(Float8Change(labels[id(layer)], old, layer.dtype_policy.name, dims))
     watch_float8(model)
     forget_traced_functions(model)
     return changes
@@ -341,7 +355,7 @@ def watch_float8(model: keras.Model) -> list[str]:
                 counts = _Counts(layer)
                 watch_float8_call(layer, counts.forward, counts.output)
                 object.__setattr__(layer, _COUNTS, counts)
-                started.append(layer.name)
+                started.append(layer.path)
     if started:
         forget_traced_functions(model)
     return started
@@ -361,8 +375,9 @@ class Float8TensorStats:
             underflows: zeros to begin with included).
         flushed: Int. Of those, the ones that were not zero and were once quantized.
         history_moved: Bool. False when the amax history is still all zeros although the
-            layer ran in training steps and the optimizer applied steps (e.g. an output
-            gradient that never reaches it): the scale then never leaves its start (1.0).
+            optimizer applied steps: the scale then never leaves its start (1.0). Keras
+            updates the histories through the gradient, so a layer whose output never reaches
+            the loss, or one called without `training=True`, keeps them at zero.
     """
 
     scale: float
@@ -402,8 +417,8 @@ class Float8TensorStats:
 
 @dataclasses.dataclass(frozen=True)
 class Float8LayerStats:
-    """One float8 layer's `Float8TensorStats`: `inputs` and `kernel` (e4m3), `outputs_grad`
-    (e5m2)."""
+    """One float8 layer's `Float8TensorStats` (`layer`: its name, or its path where the model
+    has another layer of that name): `inputs` and `kernel` (e4m3), `outputs_grad` (e5m2)."""
 
     layer: str
     inputs: Float8TensorStats
@@ -424,14 +439,13 @@ def _applied_steps(model: keras.Model) -> int:
     return 0 if optimizer is None else int(optimizer.iterations.numpy())
 
 
-def _layer_stats(layer: Any, applied: int) -> Float8LayerStats:
+def _layer_stats(layer: Any, label: str, applied: int) -> Float8LayerStats:
     counts = vars(layer)[_COUNTS].read() if _COUNTS in vars(layer) else {}
-    ran = int(counts.get("inputs", (0,))[0]) > 0  # the layer ran in a training step
     tensors = {}
     for name, scale, history, _ in TENSORS:
         amax = np.asarray(getattr(layer, history).numpy(), np.float64)
         values, saturated, zero, flushed = (int(v) for v in counts.get(name, (0,) * 4))
-        moved = bool(np.any(amax != 0)) or applied == 0 or not ran
+        moved = bool(np.any(amax != 0)) or applied == 0
         tensors[name] = Float8TensorStats(
             float(getattr(layer, scale).numpy()),
             float(np.max(amax)),
@@ -441,17 +455,18 @@ def _layer_stats(layer: Any, applied: int) -> Float8LayerStats:
             flushed,
             moved,
         )
-    return Float8LayerStats(layer.name, **tensors)
+    return Float8LayerStats(label, **tensors)
 
 
 def float8_stats(model: keras.Model) -> list[Float8LayerStats]:
     """What float8 quantization did to each float8 layer of `model` (one host read).
 
-    The counts are totals over the training steps since the layer was watched
-    (`float8_layers`, or a tfmixprec callback at the start of `fit` for layers quantized
-    otherwise); a reader that wants an interval subtracts an earlier read
-    (`Float8LayerStats.since`). Under a `tf.distribute` strategy the counts sum this process's
-    replicas; across workers each worker counts its own.
+    The counts are totals over the layer's calls with `training=True` (the training steps,
+    and any such call outside `fit`) since the layer was watched (`float8_layers`, or a
+    tfmixprec callback at the start of `fit` for layers quantized otherwise). A reader that
+    wants an interval subtracts an earlier read (`Float8LayerStats.since`). Under a
+    `tf.distribute` strategy the counts sum this process's replicas; across workers each
+    worker counts its own.
 
     Args:
         model: `keras.Model`.
@@ -472,7 +487,12 @@ def float8_stats(model: keras.Model) -> list[Float8LayerStats]:
     0
     """
     applied = _applied_steps(model)
-    return [_layer_stats(layer, applied) for layer in iter_layers(model) if is_float8(layer)]
+    labels = layer_labels(model)
+    return [
+        _layer_stats(layer, labels[id(layer)], applied)
+        for layer in iter_layers(model)
+        if is_float8(layer)
+    ]
 
 
 _FROZEN_SAID = "_tfmixprec_float8_frozen_said"  # on a model: the histories already said
@@ -512,7 +532,8 @@ class Float8Reader:
                     warnings.warn(
                         f"float8 layer {layer.layer!r}: its {name} amax history is still all "
                         f"zeros after {_applied_steps(self.model)} applied steps, so its "
-                        f"{name} scale stays at {tensor.scale:g}. {docs_page('guides/float8')}",
+                        f"{name} scale stays at {tensor.scale:g}{_why_frozen(layer)}. "
+                        f"{docs_page('guides/float8')}",
                         stacklevel=3,
                     )
 
@@ -523,6 +544,19 @@ def _int_at_least_one(value: Any) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _why_frozen(layer: Float8LayerStats) -> str:
+    """What a frozen history says of the layer: never called with `training=True` (no values
+    counted), or its output never reaches the loss."""
+    if layer.inputs.values == 0:
+        return (
+            " (no training call quantized anything here: a model whose call does not pass "
+            "`training` on to its layers runs them as in inference)"
+        )
+    if layer.outputs_grad.values == 0:
+        return " (no gradient reaches its output)"
+    return ""
 
 
 @keras.saving.register_keras_serializable(package="tfmixprec")

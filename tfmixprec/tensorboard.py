@@ -120,7 +120,7 @@ def dashboard_layout(
             each, in this order.
         repairs: Bool. Whether `PrecisionRepair` repaired the run: a chart "Layers moved to
             float32 by PrecisionRepair (total)" last in "Mixed precision".
-        float8_layers: Sequence of layer names. The model's float8 layers: their charts of
+        float8_layers: Sequence of layer paths. The model's float8 layers: their charts of
             `mixed_precision/float8/<layer>/<tensor>/<statistic>`.
 
     Returns:
