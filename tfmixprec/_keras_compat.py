@@ -598,6 +598,8 @@ def float32_attention(
 # puts `output` in front of the layer's activation. `output` then sits after the bias, where
 # the gradient is the one Keras quantizes to e5m2 right after its product (adding a bias does
 # not change a gradient). Replica threads call it one at a time; the lock makes sure of it.
+# The swap lasts one Python call of the layer, i.e. while a training function is traced: a
+# `get_config()` from another thread at that moment would see the wrapper (not guarded).
 # Keras 3.12 to 3.15 call `self._float8_call(inputs, training=...)` from `quantized_call`.
 def watch_float8_call(layer: Any, forward: Any, output: Any) -> None:
     original = type(layer)._float8_call.__get__(layer)
