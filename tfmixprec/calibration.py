@@ -233,20 +233,7 @@ def move_to_float32(model: keras.Model, layers: Sequence[Any]) -> bool:
     """Makes each of `layers` compute in float32 (`float32_policy`: a float8 layer keeps its
     quantization) and drops `model`'s traced functions; returns whether the model's saved
     config records the change (see `policy.compute_in_float32`)."""
-    float8 = [layer for layer in layers if is_float8(layer)]
-    before = _saved_config(model)
-    for layer in float8:
-        layer.dtype_policy = float32_policy(layer)
-    compute_in_float32(model, [layer for layer in layers if not is_float8(layer)])
-    return before is None or _saved_config(model) != before
-
-
-def _saved_config(model: keras.Model) -> Any:
-    """What `model.save` writes of the model's structure (None if it cannot say)."""
-    try:
-        return keras.saving.serialize_keras_object(model)
-    except Exception:  # a model without a config: nothing to compare
-        return None
+    return compute_in_float32(model, layers, float32_policy)
 
 
 # ------------------------------------------------------------------ the float32 set

@@ -7,7 +7,7 @@ import dataclasses
 import difflib
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -311,14 +311,17 @@ def float32_outputs(model: keras.Model) -> list[PolicyChange]:
     return [change for _, change in changes]
 
 
-def compute_in_float32(model: keras.Model, layers: Sequence[Any]) -> bool:
-    """Makes each of `layers` compute in float32 and drops `model`'s traced functions (a
-    `fit` in progress retraces with `model.make_train_function(force=True)`). Returns whether
-    the model's saved config records the change (False: a reloaded model computes them in
-    the policy's dtype again; a KerasHub task's config holds its constructor's arguments)."""
+def compute_in_float32(
+    model: keras.Model, layers: Sequence[Any], policy_of: Callable[[Any], Any] | None = None
+) -> bool:
+    """Makes each of `layers` compute in float32 (`policy_of(layer)`: the float32 policy to
+    give it, `float32` when None) and drops `model`'s traced functions (a `fit` in progress
+    retraces with `model.make_train_function(force=True)`). Returns whether the model's saved
+    config records the change (False: a reloaded model computes them in the policy's dtype
+    again; a KerasHub task's config holds its constructor's arguments)."""
     before = _saved_config(model)
     for layer in layers:
-        layer.dtype_policy = keras.DTypePolicy("float32")
+        layer.dtype_policy = keras.DTypePolicy("float32") if policy_of is None else policy_of(layer)
     forget_traced_functions(model)
     return before is None or _saved_config(model) != before
 
