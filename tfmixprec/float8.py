@@ -208,9 +208,9 @@ def float8_layers(model: keras.Model, exclude: Sequence[str] = ()) -> list[Float
     dimensions of its matmul are multiples of 16 and it computes in float16 or bfloat16 (a
     layer the policy leaves in float32 stays there), unless it is the model's first layer
     (the first layer with a kernel or an embedding table that a call runs), makes a model
-    output, has a softmax-like activation, or is in `exclude`. Each is quantized with Keras's
-    own `layer.quantize("float8")`, and then counts, in every training step, the values it
-    saturates and rounds to zero (`float8_stats`). A second call changes nothing. Decided
+    output, has a softmax-like activation or LoRA, or is in `exclude`. Each is quantized
+    with Keras's own `layer.quantize("float8")`, and then counts, in every training step, the
+    values it saturates and rounds to zero (`float8_stats`). A second call changes nothing. Decided
     from one real call of the model on a batch of zeros; on an error nothing is changed.
 
     Args:
