@@ -46,4 +46,6 @@ def test_gpu_info_tensor_cores():
     assert GPUInfo("A100", (8, 0)).bfloat16
     assert not GPUInfo("P100", (6, 0)).tensor_cores
     assert not GPUInfo("unknown").tensor_cores
+    assert GPUInfo("L4", (8, 9)).float8 and GPUInfo("H100", (9, 0)).float8
+    assert not GPUInfo("A100", (8, 0)).float8 and not GPUInfo("unknown").float8
     assert GPUInfo("T4", (7, 5)).describe() == "T4 (compute capability 7.5, Tensor Cores)"

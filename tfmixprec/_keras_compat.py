@@ -609,16 +609,22 @@ def watch_float8_call(layer: Any, forward: Any, output: Any) -> None:
         if not training:
             return original(inputs, training=training, **kwargs)
         forward(inputs, layer._kernel)
-        with lock:
-            activation = layer.activation
-            watched = output if activation is None else (lambda x: activation(output(x)))
-            object.__setattr__(layer, "activation", watched)
-            try:
-                return original(inputs, training=training, **kwargs)
-            finally:
-                object.__setattr__(layer, "activation", activation)
+        with lock, _before_activation(layer, output):
+            return original(inputs, training=training, **kwargs)
 
     object.__setattr__(layer, "_float8_call", call)
+
+
+@contextlib.contextmanager
+def _before_activation(layer: Any, output: Any) -> Iterator[None]:
+    """For the block, `output` sits in front of `layer`'s activation (after its bias)."""
+    activation = layer.activation
+    watched = output if activation is None else (lambda x: activation(output(x)))
+    object.__setattr__(layer, "activation", watched)
+    try:
+        yield
+    finally:
+        object.__setattr__(layer, "activation", activation)
 
 
 def float8_call_watched(layer: Any) -> bool:
@@ -672,16 +678,9 @@ def _replayed_call(layer: Any, seen: Any, output: Any) -> Any:
     def call(inputs: Any, training: Any = None, **kwargs: Any) -> Any:
         variables = [layer._kernel, *(getattr(layer, name) for name in FLOAT8_VARIABLES)]
         values = [(v, tf.identity(tf.convert_to_tensor(v.value))) for v in variables]
-        activation = layer.activation
-        watched = lambda x: output(layer, x)  # noqa: E731
-        object.__setattr__(
-            layer, "activation", watched if activation is None else lambda x: activation(watched(x))
-        )
-        try:
+        with _before_activation(layer, lambda x: output(layer, x)):
             with keras.StatelessScope(state_mapping=values):
                 result = original(inputs, training=training, **kwargs)
-        finally:
-            object.__setattr__(layer, "activation", activation)
         seen(layer, (inputs,), result)
         return result
 

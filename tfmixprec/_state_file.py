@@ -152,7 +152,8 @@ def _follow_paths(values: dict[str, Any], saved: list[str], paths: list[str]) ->
     each; else as they are (the shapes are checked next)."""
     if saved == paths or sorted(saved) != sorted(paths) or len(set(paths)) != len(paths):
         return values
-    order = [saved.index(path) for path in paths]  # this optimizer's j-th: the file's order[j]
+    position = {path: i for i, path in enumerate(saved)}
+    order = [position[path] for path in paths]  # this optimizer's j-th: the file's order[j]
     moved = dict(values)
     for key in _PER_VARIABLE:
         if key in values and np.shape(values[key]) == (len(order),):

@@ -32,7 +32,6 @@ __all__ = ["Finding", "LayerDtypes", "AuditReport", "audit"]
 SEVERITIES = ("error", "warning", "info")
 ALIGNMENT = 8  # NVIDIA: multiples of 8 for float16 on Tensor Cores
 IMAGE_CHANNELS = 4  # NVIDIA: a first convolution on 3-channel images needs 4 at stride >= 2
-FLOAT8_CAPABILITY = (8, 9)  # float8 Tensor Cores: Ada (8.9), Hopper (9.0) and later
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,14 +459,6 @@ def _float8_misaligned(layer: Any, context: _AuditContext) -> list[Finding]:
     return [Finding("warning", "float8-misaligned", layer.name, message, fix)]
 
 
-def _float8_tensor_cores(hardware: HardwareInfo) -> bool:
-    """Whether the machine has a GPU with float8 Tensor Cores (compute capability >= 8.9)."""
-    return any(
-        gpu.compute_capability is not None and gpu.compute_capability >= FLOAT8_CAPABILITY
-        for gpu in hardware.gpus
-    )
-
-
 def _float8_no_gain(model: keras.Model, context: _AuditContext) -> list[Finding]:
     """float8 where it cannot help: a float8 layer computing in float32 (warning, each), and
     float8 layers on a machine without float8 Tensor Cores (info, once)."""
@@ -491,7 +482,7 @@ def _float8_emulated(context: _AuditContext) -> list[Finding]:
     """`float8-no-gain` (info): float8 layers on a machine without float8 Tensor Cores,
     named in the order the observed call ran them."""
     quantized = [layer for layer in context.leaves if float8.is_float8(layer)]
-    if context.hardware is None or not quantized or _float8_tensor_cores(context.hardware):
+    if context.hardware is None or not quantized or any(g.float8 for g in context.hardware.gpus):
         return []
     ran = [id(call.layer) for call in context.observation.calls]
     quantized.sort(key=lambda layer: ran.index(id(layer)) if id(layer) in ran else len(ran))

@@ -53,7 +53,7 @@ from tfmixprec._layers import (
 from tfmixprec._observe import policies_swapped
 from tfmixprec._text import docs_page, jsonable, markdown_table
 from tfmixprec._validate import check_float32_scale
-from tfmixprec.float8 import TENSORS, is_float8, quantization_counts
+from tfmixprec.float8 import TENSORS, gradient_watched, is_float8, quantization_counts
 from tfmixprec.gradient_range import gradient_range_stats
 from tfmixprec.loss_scale import format_scale, multiply
 
@@ -279,15 +279,7 @@ class _Float8Counts:
         self.add(layer, "kernel", keras.ops.cast(layer.kernel, layer.compute_dtype))
 
     def output(self, layer: Any, x: Any) -> Any:
-        @tf.custom_gradient
-        def watched(x: Any) -> Any:
-            def grad(upstream: Any) -> Any:
-                self.add(layer, "outputs_grad", upstream)
-                return upstream
-
-            return tf.identity(x), grad
-
-        return watched(x)
+        return gradient_watched(x, lambda upstream: self.add(layer, "outputs_grad", upstream))
 
     def add(self, layer: Any, name: str, x: Any) -> None:
         _, scale, _, fmt = next(entry for entry in TENSORS if entry[0] == name)

@@ -289,6 +289,21 @@ def quantization_counts(x: Any, scale: Any, fmt: str) -> tf.Tensor:
     )
 
 
+def gradient_watched(x: Any, seen: Any) -> Any:
+    """`x` as it is, whose gradient is handed to `seen` on its way back (unchanged): the
+    output gradient a float8 layer quantizes, where `watch_float8_call` puts it."""
+
+    @tf.custom_gradient
+    def watched(x: Any) -> Any:
+        def grad(upstream: Any) -> Any:
+            seen(upstream)
+            return upstream
+
+        return tf.identity(x), grad
+
+    return watched(x)
+
+
 class _Counts:
     """One float8 layer's counters: per quantized tensor, `quantization_counts` summed
     over its training steps (sync-on-read variables: each replica adds its own)."""
@@ -317,16 +332,7 @@ class _Counts:
 
     def output(self, x: Any) -> Any:
         scale = tf.convert_to_tensor(self.layer.outputs_grad_scale)  # as the forward reads it
-
-        @tf.custom_gradient
-        def watched(x: Any) -> Any:
-            def grad(upstream: Any) -> Any:
-                self.add("outputs_grad", upstream, scale, "float8_e5m2")
-                return upstream
-
-            return tf.identity(x), grad
-
-        return watched(x)
+        return gradient_watched(x, lambda g: self.add("outputs_grad", g, scale, "float8_e5m2"))
 
     def read(self) -> dict[str, np.ndarray]:
         """The counts summed over this process's replicas (no collective: across workers,

@@ -41,6 +41,11 @@ class GPUInfo:
         """True for compute capability >= 8.0 (Ampere and later): bfloat16 Tensor Cores."""
         return self.compute_capability is not None and self.compute_capability >= (8, 0)
 
+    @property
+    def float8(self) -> bool:
+        """True for compute capability >= 8.9 (Ada, Hopper and later): float8 Tensor Cores."""
+        return self.compute_capability is not None and self.compute_capability >= (8, 9)
+
     def describe(self) -> str:
         cc = self.compute_capability
         cc_text = f"compute capability {cc[0]}.{cc[1]}" if cc else "compute capability unknown"
