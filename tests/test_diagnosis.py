@@ -251,8 +251,11 @@ def _bad_run_model(jit_compile=False):
     return model, x, np.ones((32, 1), "float32")
 
 
-def test_callbacks_replay_overflow_steps_automatically(tmp_path, capsys):
-    model, x, y = _bad_run_model()
+@pytest.mark.parametrize("jit_compile", [False, True, "auto"])
+def test_callbacks_replay_overflow_steps_automatically(tmp_path, capsys, jit_compile):
+    """With XLA too (Keras's default "auto" compiles with XLA on a GPU): the step keeps the
+    batches on the device, and the replays are the same."""
+    model, x, y = _bad_run_model(jit_compile=jit_compile)
     monitor = tfmixprec.LossScaleMonitor(verbose=1, update_freq=100, diagnose=3)
     board = tfmixprec.TensorBoard(str(tmp_path), update_freq=1, diagnose=1)
     fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[monitor, board])
@@ -318,8 +321,9 @@ def test_diagnose_without_loss_scaling_has_nothing_to_replay():
     assert monitor.diagnoses == [] and not _keeping(model)
 
 
-def test_keeping_overflow_batches_keeps_the_data_and_stops():
-    model, x, y = _bad_run_model()
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_keeping_overflow_batches_keeps_the_data_and_stops(jit_compile):
+    model, x, y = _bad_run_model(jit_compile=jit_compile)
     keeper = model.keep_overflow_batches(1)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     (kept,) = keeper.kept
@@ -332,14 +336,30 @@ def test_keeping_overflow_batches_keeps_the_data_and_stops():
     assert len(keeper.kept) == 1  # no longer kept
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_ragged_last_batch_is_kept_as_it_was(jit_compile):
+    """The slots hold the largest batch; a smaller last batch that overflows comes back with
+    its own rows, with XLA too (where the step compiles itself and keeps it outside)."""
+    model, x, y = _bad_run_model(jit_compile=jit_compile)
+    x, y = x[:30], y[:30]  # batches of 8, 8, 8 and 6; the last holds the NaN
+    keeper = model.keep_overflow_batches(3)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    first, last = keeper.kept
+    assert (first.step, last.step) == (1, 3) and (first.scale, last.scale) == (8.0, 4.0)
+    np.testing.assert_array_equal(first.batch[0], x[8:16])
+    np.testing.assert_array_equal(last.batch[0], x[24:30])  # NaN included, 6 rows
+    np.testing.assert_array_equal(last.batch[1], y[24:30])
+    (latest,) = keeper.latest
+    assert latest.step == 3 and latest.batch[0].shape == (6, 8)
+    assert model.jit_compile is jit_compile  # the model's own setting, as it was
+
+
 def test_automatic_diagnosis_bad_input():
     with pytest.raises(ValueError, match=r"diagnose must be an int >= 0.*Received: diagnose=-1"):
         tfmixprec.LossScaleMonitor(diagnose=-1)
     with pytest.raises(ValueError, match="Received: diagnose=True"):
         tfmixprec.TensorBoard("logs", diagnose=True)
-    model, x, y = _bad_run_model(jit_compile=True)
-    with pytest.raises(ValueError, match="Compile with jit_compile=False"):
-        model.keep_overflow_batches(2)
+    model, x, y = _bad_run_model()
     with pytest.raises(ValueError, match="limit must be an int >= 0. Received: limit=-2"):
         model.keep_overflow_batches(-2)
 
@@ -386,17 +406,15 @@ def test_a_batch_that_cannot_be_replayed_never_stops_training():
     assert model.optimizer.read_state()["iterations"] == 1  # the second batch trained
 
 
-@pytest.mark.parametrize("case", ["jit_compile", "accumulation"])
-def test_diagnose_where_batches_cannot_be_kept_warns_and_trains(case):
-    model, x, y = _bad_run_model(jit_compile=case == "jit_compile")
-    if case == "accumulation":
-        model.compile(
-            optimizer=tfmixprec.LossScaleOptimizer("sgd", accumulation_steps=2),
-            loss="mse",
-            jit_compile=False,
-        )
-        with pytest.raises(ValueError, match="Received: accumulation_steps=2"):
-            model.keep_overflow_batches(1)
+def test_diagnose_where_batches_cannot_be_kept_warns_and_trains():
+    model, x, y = _bad_run_model()
+    model.compile(
+        optimizer=tfmixprec.LossScaleOptimizer("sgd", accumulation_steps=2),
+        loss="mse",
+        jit_compile=False,
+    )
+    with pytest.raises(ValueError, match="Received: accumulation_steps=2"):
+        model.keep_overflow_batches(1)
     monitor = tfmixprec.LossScaleMonitor(diagnose=2)
     with pytest.warns(RuntimeWarning, match="diagnose= is off for this fit"):
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor])

@@ -11,13 +11,9 @@ import keras
 
 from tfmixprec._fit_reader import FitReader
 from tfmixprec._text import docs_page
-from tfmixprec.diagnosis import (
-    OverflowDiagnosis,
-    explain_overflow,
-    keep_for_callbacks,
-    stop_keeping_for_callbacks,
-)
+from tfmixprec.diagnosis import OverflowDiagnosis, explain_overflow
 from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.overflow_batches import keep_for_callbacks, stop_keeping_for_callbacks
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 

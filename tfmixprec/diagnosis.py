@@ -21,17 +21,15 @@ Where the step overflows, the float8 layers (`tfmixprec.float8_layers`) whose qu
 saturated or flushed values in the replay are named too, with the format, the scale each
 tensor was quantized with, its amax and the shares (`OverflowDiagnosis.float8`).
 
-`OverflowBatches` keeps the batches of overflow steps on the host, from inside the training
-step (`MixedPrecisionModel.keep_overflow_batches`, and the callbacks' `diagnose=` switch), so
-they can be replayed right after the step.
+`tfmixprec.overflow_batches` keeps the batches of overflow steps on the device, from inside
+the training step (`MixedPrecisionModel.keep_overflow_batches`, and the callbacks'
+`diagnose=` switch), so they can be replayed right after the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,7 +39,7 @@ import tensorflow as tf
 
 from tfmixprec._arrays import float_arrays, nonfinite_count
 from tfmixprec._dtypes import DTYPE_MAX, FLOAT8_MAX, FLOAT32_MAX
-from tfmixprec._keras_compat import float8_replayed, replace_train_step
+from tfmixprec._keras_compat import float8_replayed
 from tfmixprec._layers import (
     check_built_model,
     compiled_loss,
@@ -51,11 +49,12 @@ from tfmixprec._layers import (
     watch_leaf_calls,
 )
 from tfmixprec._observe import policies_swapped
-from tfmixprec._text import docs_page, jsonable, markdown_table
+from tfmixprec._text import jsonable, markdown_table
 from tfmixprec._validate import check_float32_scale
 from tfmixprec.float8 import TENSORS, gradient_watched, is_float8, quantization_counts
 from tfmixprec.gradient_range import gradient_range_stats
 from tfmixprec.loss_scale import format_scale, multiply
+from tfmixprec.overflow_batches import KeptBatch, OverflowBatches  # noqa: F401 (re-exported)
 
 __all__ = [
     "Float8Quantized",
@@ -665,224 +664,3 @@ def _computes_in_float16(model: keras.Model) -> bool:
     """Whether a layer of `model` computes in float16: only there do gradients below 2^-24
     flush to zero (bfloat16 and float32 keep them)."""
     return any(layer.compute_dtype == "float16" for layer in [model, *iter_layers(model)])
-
-
-@dataclasses.dataclass(frozen=True)
-class KeptBatch:
-    """The batch of one overflow step, kept on the host for a replay.
-
-    Attributes:
-        step: Int. The step (0-based, skipped steps counted, as the loss-scale counters).
-        scale: Float. The loss scale that step used.
-        batch: Tuple `(x, y, sample_weight)` of NumPy arrays (`sample_weight` may be None).
-    """
-
-    step: int
-    scale: float
-    batch: tuple
-
-
-class OverflowBatches:
-    """Keeps the batches of the first `limit` overflow steps on the host (thread-safe: replicas
-    run in threads). `MixedPrecisionModel.keep_overflow_batches` puts one in the step.
-
-    Args:
-        limit: Int >= 1. How many batches to keep at the most.
-        owner: String. `"user"` (`keep_overflow_batches`) or `"callbacks"` (a `diagnose=`
-            switch, for the length of a `fit`).
-    """
-
-    def __init__(self, limit: int, owner: str = "user") -> None:
-        self.limit = limit
-        self.owner = owner
-        self.fit: Any = None  # for the callbacks' keeper: the `fit` it keeps for
-        self.kept: list[KeptBatch] = []
-        # For `PrecisionRepair`: the batches of the newest overflow step (one a replica),
-        # kept while `keep_latest` is set, and how many overflow batches arrived in all.
-        self.keep_latest = False
-        self.latest: list[KeptBatch] = []
-        self.seen = 0
-        # A callbacks' keeper is dormant between fits (`stop_keeping_for_callbacks`): it keeps
-        # nothing, and the train function traced with it (`traced`) is reused by the next fit.
-        self.active = True
-        self.traced: Any = None
-        self._lock = threading.Lock()
-
-    def keep_if_overflow(self, data: Any, overflowed: tf.Tensor, optimizer: Any) -> None:
-        """In the step, after `apply`: if the step overflowed, copies its batch to the host.
-
-        Builds a `tf.cond` on `overflowed` (the step's flag, from the logs' snapshot) whose
-        true branch reads the scale and step and is a `py_function` (so it needs a step
-        without XLA); a clean step only evaluates the flag.
-        """
-        batch = keras.utils.unpack_x_y_sample_weight(data)
-        flat = tf.nest.flatten(batch)
-        tensors = [tensor for tensor in flat if tensor is not None]
-
-        def keep(*values: Any) -> None:
-            if not self.active:
-                return  # dormant between fits
-            with self._lock:
-                self.seen += 1
-            if len(self.kept) >= self.limit and not self.keep_latest:
-                return  # full: no copy
-            arrays = iter(value.numpy() for value in values[:-2])
-            rebuilt = [None if tensor is None else next(arrays) for tensor in flat]
-            packed = tuple(tf.nest.pack_sequence_as(batch, rebuilt))
-            kept = KeptBatch(int(values[-1]), float(values[-2]), packed)
-            with self._lock:
-                if len(self.kept) < self.limit:
-                    self.kept.append(kept)
-                if self.keep_latest:
-                    newer = [k for k in self.latest if k.step > kept.step]
-                    if not newer:
-                        same = [k for k in self.latest if k.step == kept.step]
-                        self.latest = [*same, kept]
-
-        def on_overflow() -> tf.Tensor:
-            scale, step = optimizer.last_overflow_scale, optimizer.last_overflow_step()
-            tf.py_function(keep, [*tensors, scale, step], Tout=[])
-            return tf.constant(0)
-
-        tf.cond(overflowed, on_overflow, lambda: tf.constant(0))
-
-
-# ------------------------------------------------------------------ keeping in the step
-# Any Keras model's step can keep its overflow batches: the step is wrapped for the next trace
-# (`_keras_compat.replace_train_step`), and the wrapper adds the `tf.cond` of
-# `OverflowBatches.keep_if_overflow` after the model's own step. The keeper is host-side: it
-# decides nothing in the step, it only receives batches.
-
-
-def cannot_keep_batches(model: Any, replicas_ok: bool = False) -> str | None:
-    """Why `model`'s step cannot keep the batch of an overflow step, or None (`replicas_ok`:
-    each replica's batch is kept, for `PrecisionRepair`, which replays them all)."""
-    if getattr(model, "jit_compile", False):
-        return (
-            "keeping the batch of an overflow step copies it to the host inside the step, "
-            "which XLA cannot compile. Compile with jit_compile=False for it (Keras's default "
-            f"'auto' compiles with XLA on a GPU). Received: jit_compile={model.jit_compile!r}"
-        )
-    replicas = model.distribute_strategy.num_replicas_in_sync
-    if replicas > 1 and not replicas_ok:
-        return (
-            "keeping the batch of an overflow step is not supported under a strategy with "
-            f"{replicas} replicas yet; call tfmixprec.explain_overflow(model, batch) on the "
-            "batch yourself."
-        )
-    steps = getattr(getattr(model, "optimizer", None), "accumulation_steps", 1)
-    if steps > 1:
-        return (
-            "with gradient accumulation an overflow is known only at the window's end, after "
-            "the micro-batch that caused it; keeping batches is not supported there yet. "
-            f"Received: accumulation_steps={steps}"
-        )
-    return None
-
-
-def current_keeper(model: Any) -> OverflowBatches | None:
-    """The `OverflowBatches` `model`'s step keeps overflow batches in, or None."""
-    return getattr(model, "_tfmixprec_overflow_batches", None)
-
-
-def set_keeper(model: Any, keeper: OverflowBatches | None) -> OverflowBatches | None:
-    """From the next traced step on, `model`'s step (any Keras model, compiled with a
-    tfmixprec `LossScaleOptimizer`) keeps the batches of its overflow steps in `keeper`; None
-    stops keeping. Either way the train function is traced again."""
-    model._tfmixprec_overflow_batches = keeper
-    replace_train_step(model, None if keeper is None else _keeping(model, keeper))
-    model.make_train_function(force=True)
-    return keeper
-
-
-def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
-    def make(step: Callable) -> Callable:
-        def keeping_step(data: Any) -> Any:
-            logs = step(data)
-            optimizer = model.optimizer  # read while tracing: the adopted one, if adopted
-            overflow = logs.get("overflow") if isinstance(logs, dict) else None
-            if overflow is None:  # Keras's own train_step: the optimizer's flag, in the graph
-                overflow = optimizer.snapshot()["overflow"]
-            keeper.keep_if_overflow(data, overflow > 0, optimizer)
-            return logs
-
-        # The state guard wraps a step once: the keeping wrapper says whether what it wraps
-        # is guarded already (`_adoption`), so a later adoption does not guard it twice.
-        keeping_step.tfmixprec_guarded = getattr(step, "tfmixprec_guarded", False)
-        keeping_step.__wrapped__ = step
-        return keeping_step
-
-    return make
-
-
-def keep_for_callbacks(
-    model: Any,
-    limit: int,
-    who: str,
-    fit: Any = None,
-    latest: bool = False,
-    what: str = "diagnose=",
-    page: str = "guides/why-overflow",
-) -> OverflowBatches | None:
-    """For the callbacks' `diagnose=`: the batches kept already (the user's, or another
-    callback's in this `fit`), else a keeper for this `fit`; None, with a warning naming
-    `who`, where batches cannot be kept (training goes on without the replay).
-
-    `fit` is what marks one `fit` (the `params` dict Keras gives every callback of a `fit`):
-    a callbacks' keeper left by an earlier `fit` that raised (Keras then skips
-    `on_train_end`) is replaced, not reused full. `latest` (for `PrecisionRepair`) also keeps
-    the newest overflow step's batches, one a replica, under any number of replicas."""
-    current = current_keeper(model)
-    if current is not None and current.owner == "callbacks" and current.fit is not fit:
-        if _can_wake(model, current, latest):
-            return _wake(model, current, limit, fit, latest)
-        current.active = False  # left by an earlier fit (one that raised): keeps no more
-        current = None
-    if current is not None:
-        if current.owner == "callbacks":
-            current.limit = max(current.limit, limit)
-        current.keep_latest = current.keep_latest or latest
-        return current
-    reason = cannot_keep_batches(model, replicas_ok=latest)
-    if reason is not None:
-        if current_keeper(model) is not None:  # an earlier fit's: it keeps no more
-            set_keeper(model, None)
-        link = docs_page(page)
-        warnings.warn(f"{who}: {what} is off for this fit: {reason} {link}", RuntimeWarning, 3)
-        return None
-    keeper = OverflowBatches(limit, "callbacks")
-    keeper.fit = fit
-    keeper.keep_latest = latest
-    return set_keeper(model, keeper)
-
-
-def stop_keeping_for_callbacks(model: Any) -> None:
-    """Ends the callbacks' keeping (a user's `keep_overflow_batches` is left alone).
-
-    The keeper goes dormant rather than away: it keeps nothing from now on, and the class's
-    step is back for any new trace (a `compile` traces again without it), but the train
-    function traced with it stays, so the next `fit` with a callback that keeps batches
-    reuses it instead of tracing again (`fit` called in a loop, one epoch each)."""
-    current = current_keeper(model)
-    if current is not None and current.owner == "callbacks":
-        current.active = False
-        current.traced = getattr(model, "train_function", None)
-        replace_train_step(model, None)
-
-
-def _can_wake(model: Any, keeper: OverflowBatches, latest: bool) -> bool:
-    """Whether a dormant keeper's traced train function is still the model's, and usable."""
-    if keeper.active or keeper.traced is None:
-        return False
-    traced = getattr(model, "train_function", None)
-    return traced is keeper.traced and cannot_keep_batches(model, replicas_ok=latest) is None
-
-
-def _wake(model: Any, keeper: OverflowBatches, limit: int, fit: Any, latest: bool) -> Any:
-    """A dormant keeper kept for this `fit`, as a new one would, in the same traced step."""
-    with keeper._lock:
-        keeper.kept, keeper.latest = [], []
-    keeper.limit, keeper.fit, keeper.keep_latest = limit, fit, latest
-    replace_train_step(model, _keeping(model, keeper))  # for a later trace; none now
-    keeper.active, keeper.traced = True, None
-    return keeper

@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._fit_reader import FitReader
+from tfmixprec._keras_compat import make_train_function
 from tfmixprec._layers import compiled_loss, iter_layers, mark_float32
 from tfmixprec._text import docs_page
 from tfmixprec._validate import check_int_at_least_one
@@ -47,9 +48,9 @@ from tfmixprec.calibration import (
     starting_scale,
     warn_not_recorded,
 )
-from tfmixprec.diagnosis import keep_for_callbacks, stop_keeping_for_callbacks
 from tfmixprec.float8 import is_float8
 from tfmixprec.loss_scale import format_scale
+from tfmixprec.overflow_batches import keep_for_callbacks, stop_keeping_for_callbacks
 
 __all__ = ["PrecisionRepair", "Repair"]
 
@@ -209,8 +210,6 @@ class PrecisionRepair(keras.callbacks.Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._keeper is not None:
             stop_keeping_for_callbacks(self.model)  # the callbacks' keeper goes dormant
-            if self._keeper.owner != "callbacks":  # a user's keeper: back as it was
-                self._keeper.keep_latest = False
         self._keeper = None
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -263,7 +262,7 @@ class PrecisionRepair(keras.callbacks.Callback):
             mark_float32(self.model, {layer: reason for layer in judgment.layers})
             if judgment.loss_scale > 0:
                 self._reader.optimizer.restart_at(judgment.loss_scale)
-            self.model.make_train_function(force=True)
+            make_train_function(self.model)
             self.repairs.append(judgment)
             _record(self.model, judgment)
             if not recorded:  # last: a warning turned error leaves nothing half-done

@@ -21,14 +21,14 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec._keras_compat import loss_tracker_count, update_each_copy
+from tfmixprec._keras_compat import STEP_COMPILES_ITSELF, loss_tracker_count, update_each_copy
 from tfmixprec.loss_scale import read_now
 
 __all__ = ["guard_state"]
 
 
 def _restore(copy: tf.Variable, skipped: tf.Tensor, saved: tf.Tensor) -> Any:
-    return copy.assign(tf.where(skipped, saved, copy.read_value()))
+    return copy.assign(tf.where(skipped, saved, read_now(copy)))
 
 
 def guarded_variables(model: keras.Model) -> list[Any]:
@@ -85,14 +85,9 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
     if tf.distribute.has_strategy():  # each replica its own copies, in one merge_call
         update_each_copy([(v, _restore, (skipped, s)) for v, s in zip(variables, saved)])
         return
-
-    def restore() -> tf.Tensor:
-        for variable, value in zip(variables, saved):
-            variable.assign(value)
-        return tf.constant(True)
-
-    # No strategy: a clean step only evaluates the flag (no assignment).
-    tf.cond(skipped, restore, lambda: tf.constant(False))
+    # A select, not a `cond`: on a GPU a `cond` outside XLA waits for its flag on the host.
+    for variable, value in zip(variables, saved):
+        _restore(variable, skipped, value)
 
 
 def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -108,6 +103,8 @@ def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[An
 
     guarded.tfmixprec_guarded = True  # wrapped once
     guarded.__wrapped__ = step  # the step it guards (the user's own, if they set one)
+    # A batch keeper's step inside compiles itself with XLA: so is it built (`_keras_compat`).
+    setattr(guarded, STEP_COMPILES_ITSELF, getattr(step, STEP_COMPILES_ITSELF, False))
     return guarded
 
 

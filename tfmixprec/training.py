@@ -22,14 +22,14 @@ from tfmixprec._fit_hooks import FitWatch, ProgressBar
 from tfmixprec._keras_compat import Functional, MultiWorkerFit, functional_init_arguments
 from tfmixprec._layers import iter_layers
 from tfmixprec._text import docs_page
-from tfmixprec.diagnosis import (
+from tfmixprec.loss_scale import default_config
+from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.overflow_batches import (
     OverflowBatches,
     cannot_keep_batches,
     set_keeper,
     stop_keeping_for_callbacks,
 )
-from tfmixprec.loss_scale import default_config
-from tfmixprec.optimizer import LossScaleOptimizer
 from tfmixprec.state_guard import guard_state, metrics_after_guard
 
 __all__ = [
@@ -229,12 +229,14 @@ class MixedPrecisionMixin(MultiWorkerFit):
 
     def keep_overflow_batches(self, limit: int) -> OverflowBatches | None:
         """From the next traced step on, keeps the batches of the first `limit` overflow
-        steps on the host, for `tfmixprec.explain_overflow`. `limit=0` stops keeping. Either
-        way the step is traced again. (The callbacks' `diagnose=` switch keeps batches the
-        same way for the length of a `fit`, or reads the ones kept here.)
+        steps (and the newest one's) on the device, for `tfmixprec.explain_overflow`.
+        `limit=0` stops keeping. Either way the step is traced again. (The callbacks'
+        `diagnose=` switch keeps batches the same way for the length of a `fit`, or reads the
+        ones kept here.)
 
-        A clean step costs one more read of the overflow flag; an overflow step copies its
-        batch to the host (a `py_function`), so it needs a step without XLA.
+        The step selects its batch into the keeper's variables (a device copy of the batch
+        per slot, no conditional and no host read), with XLA (`jit_compile=True`) or without;
+        `kept` copies the batches to the host when read.
 
         Args:
             limit: Int >= 0. How many overflow batches to keep at the most.
@@ -243,9 +245,8 @@ class MixedPrecisionMixin(MultiWorkerFit):
             The `OverflowBatches` whose `kept` list fills as overflow steps happen, or None.
 
         Raises:
-            ValueError: If `limit` is not an int >= 0, the model compiles its step with XLA
-                (`jit_compile=True`), runs under a multi-replica strategy, or its optimizer
-                accumulates gradients.
+            ValueError: If `limit` is not an int >= 0, the model runs under a multi-replica
+                strategy, or its optimizer accumulates gradients.
         """
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise ValueError(f"limit must be an int >= 0. Received: limit={limit!r}")

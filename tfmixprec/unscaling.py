@@ -14,10 +14,18 @@ unscaled since the last `scale_loss`. `UnscaleLedger` holds that fact in per-rep
 
 Misuses that cannot be decided raise at run time (in eager mode at once) and change nothing.
 The variables are not checkpointed: they describe one step, not the training run.
+
+Where one traced function both starts the step (`clear`) and applies it, with no `record` in
+between (Keras 3's `train_step`, so every `fit`), nothing can be recorded when `apply` runs:
+the graph then divides by the scale with no branch on the record. On a GPU a branch outside
+XLA waits for its flag on the host; this is what the trace knows of its own ops, not state
+carried between calls.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,6 +94,17 @@ def _check(ok: tf.Tensor, message: str) -> Any:
     return tf.debugging.Assert(ok, [message])
 
 
+def _graphs_out() -> list[Any]:
+    """The graph being traced and the graphs around it (empty when eager)."""
+    if tf.executing_eagerly():
+        return []
+    graph, found = tf.compat.v1.get_default_graph(), []
+    while graph is not None:
+        found.append(graph)
+        graph = getattr(graph, "outer_graph", None)
+    return found
+
+
 def _replica_variable(value: Any, name: str) -> tf.Variable:
     return tf.Variable(
         value,
@@ -100,8 +119,9 @@ class UnscaleLedger:
     """Per-replica run-time record of which gradients are already unscaled (see module doc).
 
     `has_record` says whether anything is recorded since the last `clear`; while it is 0 the
-    other variables are stale and ignored, so a step that records nothing (Keras 3's way, and `fit`)
-    costs one scalar write in `clear` and one scalar read and branch in `unscale_for_apply`.
+    other variables are stale and ignored. A traced step that clears and applies with no
+    record in between (Keras 3's way, and `fit`) costs one scalar write in `clear` and no
+    branch; an `apply` that cannot know reads `has_record` and branches on it.
     """
 
     def __init__(self) -> None:
@@ -111,6 +131,9 @@ class UnscaleLedger:
         self.scaled_fingerprint = _replica_variable(0.0, "scaled_fingerprint")
         self.unscaled_fingerprint = _replica_variable(0.0, "unscaled_fingerprint")
         self.marks: tf.Variable | None = None  # one int per variable, made by `build`
+        # While tracing: the graphs (and, in them, the threads: one a replica) where `clear`
+        # ran and no `record` since. What one trace knows of its own ops, nothing more.
+        self._cleared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def build(self, num_variables: int) -> None:
         """Creates the per-variable marks for an optimizer of `num_variables` variables."""
@@ -142,6 +165,8 @@ class UnscaleLedger:
             The run-time check that `grads` were not already unscaled (an op to depend on).
         """
         self._check_replicas()
+        for graph in _graphs_out():  # this graph and those around it: a record may follow
+            self._cleared.get(graph, set()).discard(threading.get_ident())
         scaled = fingerprint(grads)
         recorded = self.has_record.read_value() > 0
         again = tf.logical_and(recorded, _close(scaled, self.unscaled_fingerprint.read_value()))
@@ -168,6 +193,15 @@ class UnscaleLedger:
     def clear(self) -> None:
         """A new step: nothing is unscaled until the next `record`."""
         self.has_record.assign(0)
+        if not tf.executing_eagerly():
+            graph = tf.compat.v1.get_default_graph()
+            self._cleared.setdefault(graph, set()).add(threading.get_ident())
+
+    def _nothing_recorded(self) -> bool:
+        """While tracing: whether this trace cleared the record (in this graph or one around
+        it, in this thread) and recorded nothing since, so nothing is recorded now."""
+        thread = threading.get_ident()
+        return any(thread in self._cleared.get(g, ()) for g in _graphs_out())
 
     def unscale_for_apply(
         self,
@@ -195,6 +229,11 @@ class UnscaleLedger:
         if not present:
             return grads
         scale = tf.cast(scale, tf.float32)
+        if not tf.executing_eagerly() and self._nothing_recorded():  # Keras 3's way, `fit`
+            result = list(grads)
+            for i in present:
+                result[i] = divide(grads[i], i, scale)
+            return result
 
         def checked() -> list[Any]:
             divisors = self._consume(grads, indices, scale, has_float8)

@@ -1,0 +1,396 @@
+"""The batches of overflow steps, kept on the device from inside the training step.
+
+`explain_overflow` (the callbacks' `diagnose=`) and `PrecisionRepair` replay the batch of an
+overflow step after it ran. The step keeps it where XLA can compile it and the host waits for
+nothing: in variables, with selects, never a conditional or a host copy.
+
+- Each tensor of the batch `(x, y, sample_weight)` has one variable of `limit + 1` slots: the
+  batches of the first `limit` overflow steps since the keeper was (re)started, then the
+  newest overflow step's. Every step selects the batch into the slots its overflow flag
+  chooses (none on a clean step), so a clean step costs one device copy of the batch a slot.
+- The slots grow to the largest batch seen (a ragged last batch is padded, and its own shape
+  kept beside it). XLA compiles a variable's shape in, so under `jit_compile=True` the step
+  compiles itself with XLA and keeps the batch just outside it (`_keras_compat.
+  make_train_function`): the step is XLA's, as Keras compiles it, and the slots still grow.
+- Each replica keeps its own batch (sync-on-read variables), for `PrecisionRepair`, which
+  replays them all.
+
+The host reads the slots only when a callback acts on them: `seen` (one integer) tells
+whether an overflow step came since the last look, `kept` and `latest` copy batches to the
+host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmixprec._keras_compat import (
+    STEP_COMPILES_ITSELF,
+    in_xla_context,
+    make_train_function,
+    replace_train_step,
+)
+from tfmixprec._text import docs_page
+
+__all__ = ["KeptBatch", "OverflowBatches"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptBatch:
+    """The batch of one overflow step, copied to the host for a replay.
+
+    Attributes:
+        step: Int. The step (0-based, skipped steps counted, as the loss-scale counters).
+        scale: Float. The loss scale that step used.
+        batch: Tuple `(x, y, sample_weight)` of NumPy arrays (`sample_weight` may be None).
+    """
+
+    step: int
+    scale: float
+    batch: tuple
+
+
+def _replica_variable(value: Any, shape: Any = None) -> tf.Variable:
+    """A variable each replica writes its own copy of (read in cross-replica context: the
+    first replica's)."""
+    return tf.Variable(
+        value,
+        shape=shape,
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+def _fitted(value: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
+    """`value` cut or zero-padded to `shape` (the same rank)."""
+    have = tf.shape(value)
+    take = tf.minimum(have, shape)
+    value = tf.slice(value, tf.zeros_like(take), take)
+    return tf.pad(value, tf.stack([tf.zeros_like(take), shape - take], axis=1))
+
+
+class _Slots:
+    """One tensor of the batch: `limit + 1` slots of it and the shape each slot holds."""
+
+    def __init__(self, spec: tf.TensorSpec, slots: int) -> None:
+        known = [0 if d is None else d for d in spec.shape.as_list()]
+        self.data = _replica_variable(
+            tf.zeros([slots, *known], spec.dtype), tf.TensorShape(None)
+        )
+        self.shapes = _replica_variable(tf.zeros([slots, len(known)], tf.int32))
+
+    def write(self, value: tf.Tensor, chosen: tf.Tensor, grow: bool) -> list[Any]:
+        """Selects `value` into the `chosen` slots (a bool vector); the slots grow to hold it
+        unless `grow` is False (inside XLA, where a variable keeps its shape): there a
+        `value` larger than the slots is not kept (`fits`)."""
+        held = tf.shape(self.data)
+        room = tf.maximum(held[1:], tf.shape(value)) if grow else held[1:]
+        fits = tf.reduce_all(tf.shape(value) <= room)
+        chosen = tf.logical_and(chosen, fits)
+        slots = _fitted(tf.convert_to_tensor(self.data), tf.concat([held[:1], room], 0))
+        row = _fitted(value, room)[tf.newaxis]
+        mask = tf.reshape(chosen, tf.concat([held[:1], tf.ones_like(room)], 0))
+        shapes = tf.where(chosen[:, tf.newaxis], tf.shape(value)[tf.newaxis], self.shapes)
+        return [self.data.assign(tf.where(mask, row, slots)), self.shapes.assign(shapes)]
+
+    def read(self, copy: int, slot: int) -> np.ndarray:
+        data = _local(self.data)[copy].numpy()[slot]
+        shape = _local(self.shapes)[copy].numpy()[slot]
+        return data[tuple(slice(0, n) for n in shape)]
+
+
+def _local(variable: Any) -> tuple:
+    """Each replica's copy of a sync-on-read variable (one without a strategy)."""
+    values = getattr(variable, "values", None)
+    return tuple(values) if values is not None else (variable,)
+
+
+class OverflowBatches:
+    """Keeps the batches of the first `limit` overflow steps, and the newest overflow step's
+    (one a replica), in variables on the device, from inside the training step.
+    `MixedPrecisionModel.keep_overflow_batches` puts one in the step.
+
+    A clean step reads no value on the host and branches on none: the step selects its batch
+    into the slots its overflow flag picks (none when it is clean), with XLA or without. The
+    host copies a batch only when asked (`kept`, `latest`).
+
+    Args:
+        limit: Int >= 1. How many overflow steps' batches to keep (from the first).
+        owner: String. `"user"` (`keep_overflow_batches`) or `"callbacks"` (a `diagnose=`
+            switch or `PrecisionRepair`, for the length of a `fit`).
+    """
+
+    def __init__(self, limit: int, owner: str = "user") -> None:
+        self.limit = limit
+        self.owner = owner
+        self.fit: Any = None  # for the callbacks' keeper: the `fit` it keeps for
+        # A callbacks' keeper is dormant between fits (`stop_keeping_for_callbacks`): nobody
+        # reads it, and the train function traced with it (`traced`) is reused by the next fit.
+        self.active = True
+        self.traced: Any = None
+        self.unkept: str | None = None  # why the traced step keeps nothing (said once)
+        self._count: tf.Variable | None = None  # overflow steps since (re)started
+        self._steps: tf.Variable | None = None  # per slot: the step, and its scale
+        self._scales: tf.Variable | None = None
+        self._slots: list[_Slots | None] = []  # per tensor of the flattened batch
+        self._spec: Any = None
+        self._lock = threading.Lock()  # replicas trace in threads
+
+    # ------------------------------------------------------------ in the step
+    def keep_if_overflow(self, data: Any, overflowed: tf.Tensor, optimizer: Any) -> None:
+        """In the step, after `apply`: selects the batch into the slots of an overflow step
+        (the first `limit`, and the newest), with the scale and step; a clean step writes the
+        slots back unchanged. No conditional, no host copy."""
+        batch = keras.utils.unpack_x_y_sample_weight(data)
+        flat = tf.nest.flatten(batch)
+        if not self._ready(batch, flat):
+            return
+        count = tf.convert_to_tensor(self._count)
+        first = tf.equal(tf.range(self.limit, dtype=tf.int64), count)
+        chosen = tf.logical_and(overflowed, tf.concat([first, [True]], 0))
+        scale = tf.cast(optimizer.last_overflow_scale, tf.float32)
+        step = tf.cast(optimizer.last_overflow_step(), tf.int64)
+        grow = not in_xla_context()
+        for tensor, slots in zip(flat, self._slots):
+            if slots is not None:
+                slots.write(tensor, chosen, grow)
+        self._steps.assign(tf.where(chosen, step, self._steps))
+        self._scales.assign(tf.where(chosen, scale, self._scales))
+        self._count.assign_add(tf.cast(overflowed, tf.int64))
+
+    def _ready(self, batch: Any, flat: list[Any]) -> bool:
+        """Creates the variables at the first trace (a tensor each); False, said once, where
+        the batch cannot be kept (not dense, or another structure than the first trace's)."""
+        spec = tf.nest.map_structure(_spec_of, batch)
+        with self._lock:
+            if self._count is None and self.unkept is None:
+                kinds = [x for x in flat if x is not None and not isinstance(x, tf.Tensor)]
+                if kinds:
+                    return self._cannot(f"a {type(kinds[0]).__name__} in the batch")
+                with tf.init_scope():
+                    self._create(spec, flat)
+            elif self.unkept is None and not _same_structure(self._spec, spec):
+                return self._cannot("a batch of another structure or dtype than the first")
+        return self.unkept is None
+
+    def _create(self, spec: Any, flat: list[Any]) -> None:
+        slots = self.limit + 1
+        self._count = _replica_variable(tf.constant(0, tf.int64))
+        self._steps = _replica_variable(tf.fill([slots], tf.constant(-1, tf.int64)))
+        self._scales = _replica_variable(tf.zeros([slots], tf.float32))
+        self._slots = [None if x is None else _Slots(_spec_of(x), slots) for x in flat]
+        self._spec = spec
+
+    def _cannot(self, why: str) -> bool:
+        self.unkept = f"batches are not kept: {why} (only dense tensors are kept)"
+        warnings.warn(f"tfmixprec: {self.unkept}. {docs_page('guides/why-overflow')}", stacklevel=5)
+        return False
+
+    # ------------------------------------------------------------ on the host
+    @property
+    def seen(self) -> int:
+        """Overflow steps since the keeper (re)started: one integer read from the device."""
+        return 0 if self._count is None else int(_local(self._count)[0].numpy())
+
+    @property
+    def kept(self) -> list[KeptBatch]:
+        """The batches of the first `limit` overflow steps, copied to the host (the first
+        replica's)."""
+        return [self._read(0, slot) for slot in range(min(self.seen, self.limit))]
+
+    @property
+    def latest(self) -> list[KeptBatch]:
+        """The newest overflow step's batch, one a replica (empty before the first)."""
+        if not self.seen:
+            return []
+        return [self._read(copy, self.limit) for copy in range(len(_local(self._count)))]
+
+    @property
+    def traced_once(self) -> bool:
+        """Whether a traced step has created the slots (their number is fixed from then)."""
+        return self._count is not None
+
+    def restart(self) -> None:
+        """Keeps from the next overflow step on as if new (the slots are reused)."""
+        if self._count is not None:
+            for copy in _local(self._count):
+                copy.assign(0)
+
+    def _read(self, copy: int, slot: int) -> KeptBatch:
+        arrays = iter([s.read(copy, slot) for s in self._slots if s is not None])
+        flat = [None if s is None else next(arrays) for s in self._slots]
+        batch = tuple(tf.nest.pack_sequence_as(self._spec, flat))
+        step = int(_local(self._steps)[copy].numpy()[slot])
+        scale = float(_local(self._scales)[copy].numpy()[slot])
+        return KeptBatch(step, scale, batch)
+
+
+def _spec_of(value: Any) -> Any:
+    return None if value is None else tf.TensorSpec.from_tensor(tf.convert_to_tensor(value))
+
+
+def _same_structure(first: Any, spec: Any) -> bool:
+    try:
+        tf.nest.assert_same_structure(first, spec)
+    except (TypeError, ValueError):
+        return False
+    pairs = zip(tf.nest.flatten(first), tf.nest.flatten(spec))
+    return all(
+        (a is None) == (b is None) and (a is None or a.dtype == b.dtype) for a, b in pairs
+    )
+
+
+# ------------------------------------------------------------------ keeping in the step
+# Any Keras model's step can keep its overflow batches: the step is wrapped for the next trace
+# (`_keras_compat.replace_train_step`), and the wrapper selects the batch into the keeper's
+# slots after the model's own step. Under XLA the wrapper compiles that step with XLA itself
+# and keeps the batch outside it, where the slots can grow.
+
+
+def cannot_keep_batches(model: Any, replicas_ok: bool = False) -> str | None:
+    """Why `model`'s step cannot keep the batch of an overflow step, or None (`replicas_ok`:
+    each replica's batch is kept, for `PrecisionRepair`, which replays them all)."""
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if replicas > 1 and getattr(model, "jit_compile", False):
+        return (
+            f"keeping the batch of an overflow step under a strategy with {replicas} replicas "
+            "needs a step without XLA (Keras's default jit_compile='auto' compiles none under "
+            f"a strategy). Received: jit_compile={model.jit_compile!r}"
+        )
+    if replicas > 1 and not replicas_ok:
+        return (
+            "keeping the batch of an overflow step is not supported under a strategy with "
+            f"{replicas} replicas yet; call tfmixprec.explain_overflow(model, batch) on the "
+            "batch yourself."
+        )
+    steps = getattr(getattr(model, "optimizer", None), "accumulation_steps", 1)
+    if steps > 1:
+        return (
+            "with gradient accumulation an overflow is known only at the window's end, after "
+            "the micro-batch that caused it; keeping batches is not supported there yet. "
+            f"Received: accumulation_steps={steps}"
+        )
+    return None
+
+
+def current_keeper(model: Any) -> OverflowBatches | None:
+    """The `OverflowBatches` `model`'s step keeps overflow batches in, or None."""
+    return getattr(model, "_tfmixprec_overflow_batches", None)
+
+
+def set_keeper(model: Any, keeper: OverflowBatches | None) -> OverflowBatches | None:
+    """From the next traced step on, `model`'s step (any Keras model, compiled with a
+    tfmixprec `LossScaleOptimizer`) keeps the batches of its overflow steps in `keeper`; None
+    stops keeping. Either way the train function is traced again."""
+    model._tfmixprec_overflow_batches = keeper
+    replace_train_step(model, None if keeper is None else _keeping(model, keeper))
+    make_train_function(model)
+    return keeper
+
+
+def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
+    def make(step: Callable) -> Callable:
+        def keeping_step(data: Any) -> Any:
+            # XLA's step, as Keras would compile it, where Keras was told to leave it to
+            # this wrapper (outside XLA the slots can grow); inside XLA, the step as it is.
+            # A function of this trace's own: a repair's new policies trace it anew.
+            if model.jit_compile and not in_xla_context():
+                logs = tf.function(step, jit_compile=True, reduce_retracing=True)(data)
+            else:
+                logs = step(data)
+            optimizer = model.optimizer  # read while tracing: the adopted one, if adopted
+            overflow = logs.get("overflow") if isinstance(logs, dict) else None
+            if overflow is None:  # Keras's own train_step: the optimizer's flag, in the graph
+                overflow = optimizer.snapshot()["overflow"]
+            keeper.keep_if_overflow(data, overflow > 0, optimizer)
+            return logs
+
+        # The state guard wraps a step once: the keeping wrapper says whether what it wraps
+        # is guarded already (`_adoption`), so a later adoption does not guard it twice.
+        keeping_step.tfmixprec_guarded = getattr(step, "tfmixprec_guarded", False)
+        setattr(keeping_step, STEP_COMPILES_ITSELF, True)
+        keeping_step.__wrapped__ = step
+        return keeping_step
+
+    return make
+
+
+def keep_for_callbacks(
+    model: Any,
+    limit: int,
+    who: str,
+    fit: Any = None,
+    latest: bool = False,
+    what: str = "diagnose=",
+    page: str = "guides/why-overflow",
+) -> OverflowBatches | None:
+    """For the callbacks' `diagnose=` and `PrecisionRepair`: the batches kept already (the
+    user's, or another callback's in this `fit`), else a keeper for this `fit`; None, with a
+    warning naming `who`, where batches cannot be kept (training goes on without the replay).
+
+    `fit` is what marks one `fit` (the `params` dict Keras gives every callback of a `fit`):
+    a callbacks' keeper left by an earlier `fit` that raised (Keras then skips
+    `on_train_end`) is replaced, not reused full. `latest` (for `PrecisionRepair`, which reads
+    the newest overflow step's batches, one a replica) allows any number of replicas. A
+    keeper not traced yet takes the largest `limit` asked for in its `fit` (every callback
+    starts before the first step is traced)."""
+    current = current_keeper(model)
+    if current is not None and current.owner == "callbacks" and current.fit is not fit:
+        if _can_wake(model, current, limit, latest):
+            return _wake(model, current, fit)
+        current.active = False  # left by an earlier fit (one that raised): read no more
+        current = None
+    if current is not None:
+        if not current.traced_once:
+            current.limit = max(current.limit, limit)
+        return current
+    reason = cannot_keep_batches(model, replicas_ok=latest)
+    if reason is not None:
+        if current_keeper(model) is not None:  # an earlier fit's: it keeps no more
+            set_keeper(model, None)
+        link = docs_page(page)
+        warnings.warn(f"{who}: {what} is off for this fit: {reason} {link}", RuntimeWarning, 3)
+        return None
+    keeper = OverflowBatches(limit, "callbacks")
+    keeper.fit = fit
+    return set_keeper(model, keeper)
+
+
+def stop_keeping_for_callbacks(model: Any) -> None:
+    """Ends the callbacks' keeping (a user's `keep_overflow_batches` is left alone).
+
+    The keeper goes dormant rather than away: nobody reads it from now on, and the class's
+    step is back for any new trace (a `compile` traces again without it), but the train
+    function traced with it stays, so the next `fit` with a callback that keeps batches
+    reuses it instead of tracing again (`fit` called in a loop, one epoch each)."""
+    current = current_keeper(model)
+    if current is not None and current.owner == "callbacks":
+        current.active = False
+        current.traced = getattr(model, "train_function", None)
+        replace_train_step(model, None)
+
+
+def _can_wake(model: Any, keeper: OverflowBatches, limit: int, latest: bool) -> bool:
+    """Whether a dormant keeper's traced train function is still the model's, and usable."""
+    if keeper.active or keeper.traced is None or keeper.limit < limit:
+        return False
+    traced = getattr(model, "train_function", None)
+    return traced is keeper.traced and cannot_keep_batches(model, replicas_ok=latest) is None
+
+
+def _wake(model: Any, keeper: OverflowBatches, fit: Any) -> OverflowBatches:
+    """A dormant keeper kept for this `fit`, as a new one would, in the same traced step."""
+    keeper.restart()
+    keeper.fit = fit
+    replace_train_step(model, _keeping(model, keeper))  # for a later trace; none now
+    keeper.active, keeper.traced = True, None
+    return keeper
