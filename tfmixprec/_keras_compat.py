@@ -7,6 +7,7 @@ A Keras release that changes one of these touches this file only. Minimum versio
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -68,6 +69,7 @@ __all__ = [
     "tensorboard_batch_work",
     "tensorboard_step",
     "tensorboard_writer",
+    "traced_train_functions",
     "update_each_copy",
 ]
 
@@ -256,7 +258,8 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
                 self._checked_step(*window())
                 clear()
 
-            tf.cond(ready, step, lambda: None)
+            with tf.name_scope("accumulation_window"):
+                tf.cond(ready, step, lambda: None)
             return
 
         def in_cross_replica(distribution: Any, ready: Any) -> None:
@@ -264,18 +267,20 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
                 self._cross_replica_step(distribution, (), window)
                 clear()
 
-            tf.cond(distribution.experimental_local_results(ready)[0], step, lambda: None)
+            with tf.name_scope("accumulation_window"):
+                tf.cond(distribution.experimental_local_results(ready)[0], step, lambda: None)
 
         tf.distribute.get_replica_context().merge_call(in_cross_replica, args=(ready,))
 
     def _checked_step(self, grads: Any, variables: Any) -> None:
         """In replica context: the finite check, then apply or skip."""
         finite, evidence = self.check_step(grads, variables)
-        tf.cond(
-            finite,
-            lambda: self.apply_finite_step(grads, variables),
-            lambda: self.skip_step(evidence),
-        )
+        with tf.name_scope("apply_or_skip"):
+            tf.cond(
+                finite,
+                lambda: self.apply_finite_step(grads, variables),
+                lambda: self.skip_step(evidence),
+            )
 
     def _cross_replica_step(self, distribution: Any, args: tuple, step_args: Any) -> None:
         """In cross-replica context: each replica checks `step_args(*its args)`; the `cond`
@@ -289,7 +294,8 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
         def apply_fn() -> None:
             each_replica(lambda *a: self.apply_finite_step(*step_args(*a)), args=args)
 
-        tf.cond(finite, apply_fn, lambda: self.skip_step(evidence))
+        with tf.name_scope("apply_or_skip"):
+            tf.cond(finite, apply_fn, lambda: self.skip_step(evidence))
 
     # Keras's hooks (called from `LossScaleOptimizer._common_apply` / `_tf_apply`).
     def _stateful_handle_finite_grads(self, grads: Sequence[Any], trainable_variables: Any) -> None:
@@ -464,6 +470,24 @@ def make_train_function(model: Any) -> None:
     finally:
         if outside:
             model.jit_compile = jit
+
+
+def traced_train_functions(model: Any) -> list[Any]:
+    """The concrete functions Keras has traced for `model.train_function` (its per-execution
+    `tf.function`; the per-batch step, XLA-compiled or not, is a function called inside).
+
+    Why: Keras 3.12 to 3.15 return a plain Python function from `_make_function` that calls
+    its `tf.function` (`multi_step_on_iterator`, a closure variable) with the iterator; the
+    traced graphs are reachable only through that closure and TensorFlow's private list of a
+    `tf.function`'s concrete functions.
+    """
+    function = getattr(model, "train_function", None)
+    if function is None:
+        return []
+    traced = inspect.getclosurevars(function).nonlocals.get("multi_step_on_iterator")
+    if traced is None or not hasattr(traced, "_list_all_concrete_functions"):
+        return []  # run eagerly: nothing traced
+    return list(traced._list_all_concrete_functions())
 
 
 def in_xla_context() -> bool:

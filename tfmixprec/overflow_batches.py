@@ -83,9 +83,7 @@ class _Slots:
 
     def __init__(self, spec: tf.TensorSpec, slots: int) -> None:
         known = [0 if d is None else d for d in spec.shape.as_list()]
-        self.data = _replica_variable(
-            tf.zeros([slots, *known], spec.dtype), tf.TensorShape(None)
-        )
+        self.data = _replica_variable(tf.zeros([slots, *known], spec.dtype), tf.TensorShape(None))
         self.shapes = _replica_variable(tf.zeros([slots, len(known)], tf.int32))
 
     def write(self, value: tf.Tensor, chosen: tf.Tensor, grow: bool) -> list[Any]:
@@ -244,9 +242,7 @@ def _same_structure(first: Any, spec: Any) -> bool:
     except (TypeError, ValueError):
         return False
     pairs = zip(tf.nest.flatten(first), tf.nest.flatten(spec))
-    return all(
-        (a is None) == (b is None) and (a is None or a.dtype == b.dtype) for a, b in pairs
-    )
+    return all((a is None) == (b is None) and (a is None or a.dtype == b.dtype) for a, b in pairs)
 
 
 # ------------------------------------------------------------------ keeping in the step

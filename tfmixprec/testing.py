@@ -4,6 +4,8 @@
 corrupts those steps' gradients or inputs with NaN or Inf, in the graph, by step index.
 `run_workers` runs one command as every worker of a `MultiWorkerMirroredStrategy` cluster on
 127.0.0.1 (its own `TF_CONFIG` each, free ports), bounded in time and always cleaned up.
+`host_waits` lists what one step of a model's `fit` makes the host wait for, from the graph
+Keras traced.
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfmixprec._keras_compat import traced_train_functions
 from tfmixprec._validate import check_int_at_least_one
 
-__all__ = ["FaultInjector", "WorkerResult", "local_cluster", "run_workers"]
+__all__ = [
+    "FaultInjector",
+    "HostWait",
+    "WorkerResult",
+    "host_waits",
+    "local_cluster",
+    "run_workers",
+]
 
 
 class FaultInjector:
@@ -296,3 +306,153 @@ def _wait_for_workers(procs: list[Any], timeout: float, grace: float) -> bool:
             return not failed
         time.sleep(0.1)
     return False
+
+
+# ------------------------------------------------------------------ host waits
+# Ops that make the host wait for a device value when they run outside an XLA cluster (inside
+# one, XLA keeps them on the device): a conditional or a loop reads its predicate on the host;
+# a Python function and a host-side check copy their inputs there; an op whose output size
+# depends on its values reads that size. On a CPU the wait costs nothing; on a GPU the step
+# stalls until the device has computed the value.
+HOST_WAIT_OPS = {
+    "If": "conditional",
+    "StatelessIf": "conditional",
+    "Case": "conditional",
+    "StatelessCase": "conditional",
+    "While": "loop",
+    "StatelessWhile": "loop",
+    "EagerPyFunc": "py_function",
+    "PyFunc": "py_function",
+    "PyFuncStateless": "py_function",
+    "Assert": "host check",
+    "Print": "host check",
+    "PrintV2": "host check",
+    "Where": "data-dependent shape",
+    "Unique": "data-dependent shape",
+    "UniqueV2": "data-dependent shape",
+    "DynamicPartition": "data-dependent shape",
+}
+# tfmixprec names the scope of each conditional it builds by what it decides.
+PURPOSES = {
+    "apply_or_skip": "applies the step or skips it (the finite check)",
+    "accumulation_window": "applies at the end of an accumulation window",
+    "unscaled_record": "reads the unscaling record (get_unscaled_gradients)",
+}
+_FUNCTION_ATTRS = ("f", "then_branch", "else_branch", "body", "cond", "branches")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostWait:
+    """One op of a traced step that makes the host wait for a device value.
+
+    Attributes:
+        op: String. The op type (`"If"`, `"EagerPyFunc"`, ...).
+        kind: String. `"conditional"`, `"loop"`, `"py_function"`, `"host check"` or
+            `"data-dependent shape"`.
+        where: String. The node's name, after the names of the function calls that lead to it.
+        purpose: String. What it decides, where known.
+    """
+
+    op: str
+    kind: str
+    where: str
+    purpose: str
+
+
+def host_waits(model: Any) -> tuple[HostWait, ...]:
+    """What one step of `model.fit` makes the host wait for: the ops of the train function
+    Keras traced last that need a device value on the host, outside XLA clusters.
+
+    Call it after a `fit` (the train function is traced then). Conditionals and loops inside
+    an XLA-compiled function (`jit_compile=True`) stay on the device and are not listed.
+
+    Args:
+        model: `keras.Model`. A model that has run `fit` (not with `run_eagerly=True`).
+
+    Returns:
+        A tuple of `HostWait`, in the order the graph holds them.
+
+    Raises:
+        ValueError: If the model's train function has not been traced.
+
+    Example:
+
+    >>> model.fit(x, y, epochs=1)
+    >>> [wait.purpose for wait in tfmixprec.testing.host_waits(model)]
+    ['applies the step or skips it (the finite check)']
+    """
+    traced = traced_train_functions(model)
+    if not traced:
+        raise ValueError(
+            f"model {getattr(model, 'name', model)!r} has no traced train function: call "
+            "fit() first (without run_eagerly=True), then host_waits(model)."
+        )
+    graph = traced[-1].graph.as_graph_def()
+    library = {function.signature.name: function for function in graph.library.function}
+    optimizer = getattr(model, "optimizer", None)
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    walk = _Walk(library, getattr(inner, "name", None))
+    walk.nodes(graph.node, "", False, "")
+    return tuple(walk.found)
+
+
+class _Walk:
+    """Walks a graph's nodes and the functions they call, noting the host waits."""
+
+    def __init__(self, library: dict[str, Any], optimizer: str | None) -> None:
+        self.library, self.optimizer, self.found = library, optimizer, []
+
+    def nodes(self, nodes: Any, path: str, xla: bool, parent: str) -> None:
+        for node in nodes:
+            attrs = node.attr
+            compiled = xla or ("_XlaMustCompile" in attrs and attrs["_XlaMustCompile"].b)
+            where = f"{path}/{node.name}"
+            purpose = parent
+            if not compiled and _waits(node):
+                purpose = self.purpose(node, parent)
+                kind = HOST_WAIT_OPS[node.op]
+                self.found.append(HostWait(node.op, kind, where.lstrip("/"), purpose))
+            for name in _called(attrs):
+                function = self.library.get(name)
+                if function is not None:
+                    inside = compiled or (
+                        "_XlaMustCompile" in function.attr and function.attr["_XlaMustCompile"].b
+                    )
+                    self.nodes(function.node_def, where, inside, purpose)
+
+    def purpose(self, node: Any, parent: str) -> str:
+        for scope in reversed(node.name.split("/")):  # the innermost named scope
+            if scope in PURPOSES:
+                return PURPOSES[scope]
+        if node.op == "EagerPyFunc" or node.op.startswith("PyFunc"):
+            return "copies values to the host (a Python function)"
+        if self.optimizer and any(self._updates(name) for name in _called(node.attr)):
+            return "applies the step or skips it (the finite check)"
+        return f"inside: {parent}" if parent else "unknown"
+
+    def _updates(self, name: str) -> bool:
+        """Whether a called function holds the optimizer's update (its name scope)."""
+        function = self.library.get(name)
+        marker = f"{self.optimizer}"
+        return function is not None and any(
+            part == marker or part.startswith(marker + "_")
+            for node in function.node_def
+            for part in node.name.split("/")
+        )
+
+
+def _waits(node: Any) -> bool:
+    if node.op not in HOST_WAIT_OPS:
+        return False
+    return not (node.op == "Where" and len([i for i in node.input if not i.startswith("^")]) > 1)
+
+
+def _called(attrs: Any) -> list[str]:
+    names = []
+    for key in _FUNCTION_ATTRS:
+        if key in attrs:
+            value = attrs[key]
+            names += (
+                [value.func.name] if value.HasField("func") else [f.name for f in value.list.func]
+            )
+    return names

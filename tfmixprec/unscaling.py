@@ -239,11 +239,12 @@ class UnscaleLedger:
             divisors = self._consume(grads, indices, scale, has_float8)
             return [divide(grads[i], i, divisors[i]) for i in present]
 
-        outputs = tf.cond(
-            self.has_record.read_value() > 0,
-            checked,
-            lambda: [divide(grads[i], i, scale) for i in present],
-        )
+        with tf.name_scope("unscaled_record"):
+            outputs = tf.cond(
+                self.has_record.read_value() > 0,
+                checked,
+                lambda: [divide(grads[i], i, scale) for i in present],
+            )
         result = list(grads)
         for i, output in zip(present, outputs):
             result[i] = output
