@@ -4,6 +4,7 @@ KerasHub model and 2 replicas; nothing repaired on bad data or when the scale su
 import importlib.util
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import keras
@@ -47,16 +48,30 @@ def _fit(model, repair, epochs=2, data=None, **kwargs):
     return history, watch
 
 
-@pytest.mark.parametrize("kind", ["keras", "mixed_precision_model"])
-def test_the_repair_comes_at_the_fifth_overflow_in_the_right_layers(kind, capsys):
+@pytest.mark.parametrize(
+    "kind, jit_compile",
+    [
+        ("keras", "auto"),  # Keras's default: XLA on a GPU (none on a CPU)
+        ("mixed_precision_model", "auto"),
+        ("keras", True),  # XLA: the same repair at the same step
+        ("mixed_precision_model", True),
+    ],
+)
+def test_the_repair_comes_at_the_fifth_overflow_in_the_right_layers(kind, jit_compile, capsys):
     if kind == "keras":  # compiled the Keras way: Keras's own LossScaleOptimizer, adopted
         with tfmixprec.policy_scope("mixed_float16"):
             model = overflow_model("flows", optimizer=keras.optimizers.SGD(1e-6))
     else:
         model = overflow_model("flows", cls=tfmixprec.MixedPrecisionModel)
+    if jit_compile is True:
+        model.jit_compile = True
     start = model.get_weights()
     repair = tfmixprec.PrecisionRepair()
-    history, watch = _fit(model, repair)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history, watch = _fit(model, repair)
+    assert not [w for w in caught if "PrecisionRepair" in str(w.message)]  # on, not off
+    assert model.jit_compile is (jit_compile is True)
     assert repair.repairs == repair.judgments == [REPAIR]
     assert str(REPAIR) in capsys.readouterr().out.splitlines()
     assert history.history["repairs"] == [1.0, 1.0]
