@@ -88,8 +88,8 @@ def test_gradient_accumulation(jit_compile):
         state = model.optimizer.read_state()
         assert (state["iterations"], state["overflow_steps"]) == (3, 1)
         trainable = [i for i, v in enumerate(model.variables) if v.trainable]
-        skipped = [[states.before[2][i] for i in trainable], [states.after[3][i] for i in trainable]]
-        assert skipped[0] == skipped[1]  # the window of batches 2 and 3
+        before = [states.before[2][i] for i in trainable]
+        assert [states.after[3][i] for i in trainable] == before  # the window of batches 2, 3
         weights[jit] = model.get_weights()
     for a, b in zip(weights[False], weights[jit_compile]):
         np.testing.assert_allclose(a, b, rtol=3 * 2.0**-10, atol=1e-6)

@@ -43,7 +43,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     With `diagnose=N` the batches of the first N overflow steps of each `fit` are replayed
     with `tfmixprec.explain_overflow` right after their step (any model with loss scaling,
-    compiled without XLA, one replica): the results go to `diagnoses` as
+    with XLA or without, one replica): the results go to `diagnoses` as
     `(step, OverflowDiagnosis)` and, with `verbose=1`, are printed.
 
     On a plain `keras.Model` compiled under `mixed_float16`, Keras's own

@@ -1,10 +1,11 @@
 """Repair during `fit`: the layers whose values pass float16's range move to float32, between
 steps, and training goes on from the current weights.
 
-`PrecisionRepair` costs nothing while nothing overflows: the step keeps the batch of an
-overflow step on the host (`diagnosis.OverflowBatches`, a `tf.cond` that only evaluates the
-step's flag on a clean step), and the callback looks at the host-side count of kept batches,
-reading no tensor. When overflows keep coming and the scale cannot fix them (a run of
+`PrecisionRepair` costs little while nothing overflows: the step keeps the batch of an
+overflow step on the device (`overflow_batches.OverflowBatches`: selects into variables, no
+conditional and no host read in the step, with XLA or without), and after each batch the
+callback reads one integer, the keeper's count of overflow steps, after Keras's own read of
+the batch's logs. When overflows keep coming and the scale cannot fix them (a run of
 `max_consecutive` overflow steps, or an overflow at `min_scale`; both counted by the step in
 the optimizer's variables), it replays the newest overflow step's batches
 (`calibration.float32_set`):
@@ -123,7 +124,8 @@ class PrecisionRepair(keras.callbacks.Callback):
     """Repairs float16 overflows during `fit`: the layers whose values pass float16's range
     move to float32 between steps, and training goes on from the current weights.
 
-    While nothing overflows it reads nothing (no host sync). When overflows keep coming and
+    While nothing overflows it reads one integer a batch, after the step (no host wait inside
+    it). When overflows keep coming and
     the loss scale cannot fix them (`max_consecutive` overflow steps in a row, or one at
     `min_scale`), it replays the newest overflow step's batch outside training and moves the
     smallest set of layers that makes it finite to float32 (see `tfmixprec.calibrate`), then
@@ -144,9 +146,11 @@ class PrecisionRepair(keras.callbacks.Callback):
     now gone.
 
     Needs a tfmixprec or Keras `LossScaleOptimizer` (adopted as the other callbacks do), one
-    compiled loss, `jit_compile=False` (the step copies an overflow batch to the host; Keras's
-    default "auto" compiles with XLA on a GPU) and no gradient accumulation; without them it
-    warns once and does nothing.
+    compiled loss and no gradient accumulation; without them it warns once and does nothing.
+    It works with XLA (`jit_compile=True`, and Keras's default "auto", which compiles with
+    XLA on a GPU): the step keeps the batch on the device, and the same layers are repaired
+    at the same step as without XLA. Under a strategy of several replicas it needs a step
+    without XLA (Keras's "auto" compiles none there).
 
     Args:
         max_repairs: Int >= 1. Repairs per `fit` at the most.

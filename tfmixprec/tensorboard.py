@@ -322,7 +322,7 @@ class TensorBoard(_ChiefWrites):
             writes its measurements; passing it to `fit` as well does not measure twice.
         diagnose: Int >= 0. Overflow steps per `fit` whose batch is replayed with
             `tfmixprec.explain_overflow` and written as a `mixed_precision/diagnosis` text at
-            its step (any model with loss scaling, compiled without XLA; 0: none).
+            its step (any model with loss scaling, with XLA or without; 0: none).
         **kwargs: Any other argument of `keras.callbacks.TensorBoard` (`update_freq`,
             `histogram_freq`, `profile_batch`, ...).
 
