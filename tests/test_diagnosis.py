@@ -5,6 +5,7 @@ import json
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from tensorboard.backend.event_processing import event_accumulator
 
 import tfmixprec
@@ -504,3 +505,72 @@ def test_a_layer_called_twice_is_judged_by_the_call_that_overflowed():
     assert "its outputs reach 8e+04 in float32, past float16's 65504" in diagnosis.message
     (row,) = [r for r in diagnosis.layers if r.layer == "shared"]
     assert (row.inf, row.max_abs, row.float32_max_abs) == (8, 8.0, 80000.0)
+
+
+def test_several_overflow_steps_in_one_execution_are_all_kept():
+    """With steps_per_execution=4 the callbacks run once per 4 steps: the step keeps the
+    batches of the first N overflow steps itself, not the host between executions."""
+    model, x, y = _bad_run_model()
+    model.compile(
+        optimizer=tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0),
+        loss="mse",
+        steps_per_execution=4,
+    )
+    keeper = model.keep_overflow_batches(2)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert [(k.step, k.scale) for k in keeper.kept] == [(1, 8.0), (3, 4.0)]
+    np.testing.assert_array_equal(keeper.kept[1].batch[0], x[24:32])
+
+
+def test_an_eager_step_keeps_its_batches_too():
+    model, x, y = _bad_run_model()
+    model.compile(
+        optimizer=tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0),
+        loss="mse",
+        run_eagerly=True,
+    )
+    keeper = model.keep_overflow_batches(1)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    (kept,) = keeper.kept
+    assert kept.step == 1
+    np.testing.assert_array_equal(kept.batch[0], x[8:16])
+
+
+def test_a_batch_that_is_not_dense_is_said_and_not_kept():
+    model, _, _ = _bad_run_model()
+    keeper = tfmixprec.OverflowBatches(1)
+    ragged = (tf.ragged.constant([[1.0], [2.0, 3.0]]), tf.ones((2, 1)))
+    with pytest.warns(UserWarning, match="batches are not kept: a RaggedTensor in the batch"):
+        keeper.keep_if_overflow(ragged, tf.constant(True), model.optimizer)
+    assert keeper.seen == 0 and keeper.kept == [] and keeper.latest == []
+    dense = tfmixprec.OverflowBatches(1)
+    dense.keep_if_overflow((tf.ones((2, 3)), tf.ones((2, 1))), tf.constant(True), model.optimizer)
+    with pytest.warns(UserWarning, match="a batch of another structure or dtype than the first"):
+        dense.keep_if_overflow(
+            (tf.ones((2, 3), tf.float16), tf.ones((2, 1))), tf.constant(True), model.optimizer
+        )
+    assert dense.seen == 1  # the first batch, kept before
+
+
+def test_repair_joining_diagnose_in_a_later_fit_keeps_both():
+    """A dormant keeper traced for diagnose= alone holds no newest batch: when a later fit
+    adds PrecisionRepair, it makes its slots again with it, and both callbacks work."""
+    model, x, y = _bad_run_model()
+    x[9, 0] = 0.0  # only the NaN batch overflows in the first fit
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
+              callbacks=[tfmixprec.LossScaleMonitor(diagnose=1)])  # fmt: skip
+    monitor = tfmixprec.LossScaleMonitor(diagnose=1)
+    repair = tfmixprec.PrecisionRepair(max_consecutive=1, verbose=0)
+    x[9, 0] = 1e6
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor, repair])
+    assert [(step, d.cause) for step, d in monitor.diagnoses] == [(5, "forward-overflow")]
+    assert [(j.step, j.layers) for j in repair.judgments][:1] == [(5, ("big",))]
+
+
+def test_xla_with_several_replicas_cannot_keep_batches(two_cpu_strategy):
+    with two_cpu_strategy.scope(), tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        model = tfmixprec.MixedPrecisionModel(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with pytest.raises(ValueError, match="with 2 replicas needs a step without XLA"):
+        model.keep_overflow_batches(1)

@@ -42,15 +42,17 @@ class Diagnoser:
         # Keras gives every callback of one fit the same `params` dict: it marks the fit.
         fit = callback.params
         self._keeper = keep_for_callbacks(callback.model, self.limit, self.who, fit)
-        self._first = len(self._keeper.kept) if self._keeper is not None else 0
+        keeper = self._keeper
+        self._first = 0 if keeper is None else min(keeper.seen, keeper.limit)
 
     def new(self, model: Any) -> list[tuple[int, OverflowDiagnosis]]:
-        """Diagnoses of the overflow steps kept since the last call (no device read). A
-        batch that cannot be replayed ends the replay for this `fit` with a warning; it never
-        stops training."""
+        """Diagnoses of the overflow steps kept since the last call (one integer read from
+        the device; a batch copied only when it is new). A batch that cannot be replayed ends
+        the replay for this `fit` with a warning; it never stops training."""
         if self._keeper is None or self._done >= self.limit:
             return []
-        fresh = self._keeper.kept[self._first + self._done : self._first + self.limit]
+        fresh = self._keeper.kept_from(self._first + self._done)  # one read, then the new
+        fresh = fresh[: self.limit - self._done]
         self._done += len(fresh)
         found = []
         for kept in fresh:

@@ -4,10 +4,11 @@
 overflow step after it ran. The step keeps it where XLA can compile it and the host waits for
 nothing: in variables, with selects, never a conditional or a host copy.
 
-- Each tensor of the batch `(x, y, sample_weight)` has one variable of `limit + 1` slots: the
-  batches of the first `limit` overflow steps since the keeper was (re)started, then the
-  newest overflow step's. Every step selects the batch into the slots its overflow flag
-  chooses (none on a clean step), so a clean step costs one device copy of the batch a slot.
+- Each tensor of the batch `(x, y, sample_weight)` has one variable of slots: the batches of
+  the first `limit` overflow steps since the keeper was (re)started, then, where asked for
+  (`PrecisionRepair`), the newest overflow step's. Every step selects the batch into the slots
+  its overflow flag chooses (none on a clean step), so a clean step costs a device copy of the
+  batch a slot.
 - The slots grow to the largest batch seen (a ragged last batch is padded, and its own shape
   kept beside it). XLA compiles a variable's shape in, so under `jit_compile=True` the step
   compiles itself with XLA and keeps the batch just outside it (`_keras_compat.
@@ -79,7 +80,7 @@ def _fitted(value: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
 
 
 class _Slots:
-    """One tensor of the batch: `limit + 1` slots of it and the shape each slot holds."""
+    """One tensor of the batch: its slots and the shape each slot holds."""
 
     def __init__(self, spec: tf.TensorSpec, slots: int) -> None:
         known = [0 if d is None else d for d in spec.shape.as_list()]
@@ -114,7 +115,7 @@ def _local(variable: Any) -> tuple:
 
 class OverflowBatches:
     """Keeps the batches of the first `limit` overflow steps, and the newest overflow step's
-    (one a replica), in variables on the device, from inside the training step.
+    (one a replica; `latest=True`), in variables on the device, from inside the training step.
     `MixedPrecisionModel.keep_overflow_batches` puts one in the step.
 
     A clean step reads no value on the host and branches on none: the step selects its batch
@@ -122,14 +123,16 @@ class OverflowBatches:
     host copies a batch only when asked (`kept`, `latest`).
 
     Args:
-        limit: Int >= 1. How many overflow steps' batches to keep (from the first).
+        limit: Int >= 0. How many overflow steps' batches to keep (from the first).
         owner: String. `"user"` (`keep_overflow_batches`) or `"callbacks"` (a `diagnose=`
             switch or `PrecisionRepair`, for the length of a `fit`).
+        latest: Bool. Also keep the newest overflow step's batch (`latest`), one a replica.
     """
 
-    def __init__(self, limit: int, owner: str = "user") -> None:
+    def __init__(self, limit: int, owner: str = "user", latest: bool = True) -> None:
         self.limit = limit
         self.owner = owner
+        self.keeps_latest = latest  # fixed, as `limit`, once a traced step made the slots
         self.fit: Any = None  # for the callbacks' keeper: the `fit` it keeps for
         # A callbacks' keeper is dormant between fits (`stop_keeping_for_callbacks`): nobody
         # reads it, and the train function traced with it (`traced`) is reused by the next fit.
@@ -153,8 +156,10 @@ class OverflowBatches:
         if not self._ready(batch, flat):
             return
         count = tf.convert_to_tensor(self._count)
-        first = tf.equal(tf.range(self.limit, dtype=tf.int64), count)
-        chosen = tf.logical_and(overflowed, tf.concat([first, [True]], 0))
+        chosen = tf.equal(tf.range(self.limit, dtype=tf.int64), count)
+        if self.keeps_latest:
+            chosen = tf.concat([chosen, [True]], 0)
+        chosen = tf.logical_and(overflowed, chosen)
         scale = tf.cast(optimizer.last_overflow_scale, tf.float32)
         step = tf.cast(optimizer.last_overflow_step(), tf.int64)
         grow = not in_xla_context()
@@ -168,20 +173,22 @@ class OverflowBatches:
     def _ready(self, batch: Any, flat: list[Any]) -> bool:
         """Creates the variables at the first trace (a tensor each); False, said once, where
         the batch cannot be kept (not dense, or another structure than the first trace's)."""
-        spec = tf.nest.map_structure(_spec_of, batch)
         with self._lock:
-            if self._count is None and self.unkept is None:
-                kinds = [x for x in flat if x is not None and not isinstance(x, tf.Tensor)]
-                if kinds:
-                    return self._cannot(f"a {type(kinds[0]).__name__} in the batch")
+            if self.unkept is not None:
+                return False
+            kinds = [x for x in flat if x is not None and not isinstance(x, tf.Tensor)]
+            if kinds:
+                return self._cannot(f"a {type(kinds[0]).__name__} in the batch")
+            spec = tf.nest.map_structure(_spec_of, batch)
+            if self._count is None:
                 with tf.init_scope():
                     self._create(spec, flat)
-            elif self.unkept is None and not _same_structure(self._spec, spec):
+            elif not _same_structure(self._spec, spec):
                 return self._cannot("a batch of another structure or dtype than the first")
-        return self.unkept is None
+        return True
 
     def _create(self, spec: Any, flat: list[Any]) -> None:
-        slots = self.limit + 1
+        slots = self.limit + int(self.keeps_latest)
         self._count = _replica_variable(tf.constant(0, tf.int64))
         self._steps = _replica_variable(tf.fill([slots], tf.constant(-1, tf.int64)))
         self._scales = _replica_variable(tf.zeros([slots], tf.float32))
@@ -203,12 +210,17 @@ class OverflowBatches:
     def kept(self) -> list[KeptBatch]:
         """The batches of the first `limit` overflow steps, copied to the host (the first
         replica's)."""
-        return [self._read(0, slot) for slot in range(min(self.seen, self.limit))]
+        return self.kept_from(0)
+
+    def kept_from(self, first: int) -> list[KeptBatch]:
+        """`kept[first:]`, reading the count and then only those batches."""
+        return [self._read(0, slot) for slot in range(first, min(self.seen, self.limit))]
 
     @property
     def latest(self) -> list[KeptBatch]:
-        """The newest overflow step's batch, one a replica (empty before the first)."""
-        if not self.seen:
+        """The newest overflow step's batch, one a replica (empty before the first, or when
+        the keeper does not keep it)."""
+        if not self.keeps_latest or not self.seen:
             return []
         return [self._read(copy, self.limit) for copy in range(len(_local(self._count)))]
 
@@ -216,6 +228,12 @@ class OverflowBatches:
     def traced_once(self) -> bool:
         """Whether a traced step has created the slots (their number is fixed from then)."""
         return self._count is not None
+
+    def forget(self) -> None:
+        """Drops the slots: the next traced step makes them again (for another `limit` or
+        the newest batch), and keeps from there."""
+        self._count = self._steps = self._scales = self._spec = None
+        self._slots, self.unkept = [], None
 
     def restart(self) -> None:
         """Keeps from the next overflow step on as if new (the slots are reused)."""
@@ -337,26 +355,32 @@ def keep_for_callbacks(
     a callbacks' keeper left by an earlier `fit` that raised (Keras then skips
     `on_train_end`) is replaced, not reused full. `latest` (for `PrecisionRepair`, which reads
     the newest overflow step's batches, one a replica) allows any number of replicas. A
-    keeper not traced yet takes the largest `limit` asked for in its `fit` (every callback
-    starts before the first step is traced)."""
+    keeper not traced yet takes the largest `limit` asked for in its `fit`, and the newest
+    batch if any callback asks (every callback starts before the first step is traced); a
+    traced one without the newest batch makes its slots again with it, in a new trace."""
     current = current_keeper(model)
     if current is not None and current.owner == "callbacks" and current.fit is not fit:
         if _can_wake(model, current, limit, latest):
             return _wake(model, current, fit)
         current.active = False  # left by an earlier fit (one that raised): read no more
         current = None
-    if current is not None:
-        if not current.traced_once:
-            current.limit = max(current.limit, limit)
+    if current is not None and not current.traced_once:
+        current.limit = max(current.limit, limit)
+        current.keeps_latest = current.keeps_latest or latest
+    if current is not None and (current.keeps_latest or not latest):
         return current
     reason = cannot_keep_batches(model, replicas_ok=latest)
+    if current is not None and reason is None:  # traced without the newest batch: again
+        current.forget()
+        current.keeps_latest = True
+        return set_keeper(model, current)
     if reason is not None:
         if current_keeper(model) is not None:  # an earlier fit's: it keeps no more
             set_keeper(model, None)
         link = docs_page(page)
         warnings.warn(f"{who}: {what} is off for this fit: {reason} {link}", RuntimeWarning, 3)
         return None
-    keeper = OverflowBatches(limit, "callbacks")
+    keeper = OverflowBatches(limit, "callbacks", latest)
     keeper.fit = fit
     return set_keeper(model, keeper)
 
@@ -378,6 +402,8 @@ def stop_keeping_for_callbacks(model: Any) -> None:
 def _can_wake(model: Any, keeper: OverflowBatches, limit: int, latest: bool) -> bool:
     """Whether a dormant keeper's traced train function is still the model's, and usable."""
     if keeper.active or keeper.traced is None or keeper.limit < limit:
+        return False
+    if latest and not keeper.keeps_latest:
         return False
     traced = getattr(model, "train_function", None)
     return traced is keeper.traced and cannot_keep_batches(model, replicas_ok=latest) is None

@@ -207,7 +207,7 @@ class PrecisionRepair(keras.callbacks.Callback):
             return
         fit = self.params  # one dict per fit, shared by its callbacks
         self._keeper = keep_for_callbacks(
-            self.model, 1, "PrecisionRepair", fit, True, "repair", "guides/repair"
+            self.model, 0, "PrecisionRepair", fit, True, "repair", "guides/repair"
         )
         self._seen = self._keeper.seen if self._keeper is not None else 0
 
