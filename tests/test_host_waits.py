@@ -39,6 +39,18 @@ def test_tfmixprec_adds_no_host_wait_to_kerass_step(jit_compile):
         assert keras_waits[0].purpose == APPLY_OR_SKIP  # found by the optimizer's update
 
 
+def test_under_two_replicas_too(two_cpu_strategy):
+    """Keras's step under MirroredStrategy has its conditionals in cross-replica context;
+    tfmixprec's has its one there (no XLA: with MirroredStrategy over logical CPUs it fails
+    inside TensorFlow itself)."""
+    if not cases._STRATEGIES:
+        cases._STRATEGIES.append(two_cpu_strategy)  # one strategy on these devices a process
+    keras_waits = cases.waits("keras, 2 replicas", False)
+    found = cases.waits("adopted, 2 replicas", False)
+    assert len(found) < len(keras_waits)
+    assert [(w.op, w.purpose) for w in found] == [("If", APPLY_OR_SKIP)]
+
+
 def test_a_host_wait_is_found_where_one_is_added():
     """The walk is not blind: a `py_function` or a `cond` added to the step shows, with what
     it is, and inside an XLA-compiled step a `cond` is not listed."""
@@ -88,3 +100,12 @@ def test_host_waits_needs_a_traced_step():
     with pytest.raises(ValueError, match="model 'eager' has no traced"):
         host_waits(eager)
     assert tfmixprec.testing.HostWait is HostWait
+
+
+def test_the_benchmark_prints_its_table(capsys):
+    found = cases.main(["--cases", "keras"])
+    printed = capsys.readouterr().out.splitlines()
+    assert "| case | jit_compile | host waits | what each decides |" in printed
+    rows = [line for line in printed if line.startswith("| keras |")]
+    assert rows[0].startswith(f"| keras | False | {len(found[('keras', False)])} | `If` applies")
+    assert rows[1] == "| keras | True | 0 | - |"

@@ -83,16 +83,23 @@ def test_gradient_accumulation(jit_compile):
         )
         model.compile(optimizer=optimizer, loss="mse", jit_compile=jit)
         states = States()
-        model.fit(*_data(bad=(2,), batches=8), batch_size=BATCH, shuffle=False, verbose=0,
+        # The overflow in a window's last micro-batch: the state guard puts its batch-norm
+        # statistics back (an earlier micro-batch's would stay: see `guard_state`).
+        model.fit(*_data(bad=(3,), batches=8), batch_size=BATCH, shuffle=False, verbose=0,
                   callbacks=[states])  # fmt: skip
         state = model.optimizer.read_state()
         assert (state["iterations"], state["overflow_steps"]) == (3, 1)
         trainable = [i for i, v in enumerate(model.variables) if v.trainable]
         before = [states.before[2][i] for i in trainable]
         assert [states.after[3][i] for i in trainable] == before  # the window of batches 2, 3
-        weights[jit] = model.get_weights()
+        assert all(np.isfinite(v.numpy()).all() for v in model.variables)
+        weights[jit] = [v.numpy() for v in model.trainable_variables]
+    # float16 rounds each of 3 applied steps to 2^-10, relative to the model's weights (a
+    # bias in front of the batch normalization has a gradient of 0 up to that rounding).
+    tolerance = 3 * 2.0**-10
+    scale = max(float(np.abs(w).max()) for w in weights[False])
     for a, b in zip(weights[False], weights[jit_compile]):
-        np.testing.assert_allclose(a, b, rtol=3 * 2.0**-10, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=tolerance, atol=tolerance * scale)
 
 
 def _float8_model(jit_compile):
