@@ -237,7 +237,7 @@ def test_overflow_scale_without_a_recorded_scale_is_the_current_one():
     assert optimizer.overflow_scale() == 64.0
 
 
-def _bad_run_model(jit_compile=False):
+def _bad_run_model(jit_compile=False, **compile_args):
     keras.utils.set_random_seed(0)
     with tfmixprec.policy_scope("mixed_float16"):
         inputs = keras.Input((8,))
@@ -245,7 +245,7 @@ def _bad_run_model(jit_compile=False):
         outputs = keras.layers.Dense(1, name="out", dtype="float32")(hidden)
         model = tfmixprec.MixedPrecisionModel(inputs, outputs)
         optimizer = tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0)
-        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile, **compile_args)
     x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
     x[9, 0] = 1e6  # batch 1: finite, but not in float16
     x[25, 1] = np.nan  # batch 3: bad data
@@ -510,12 +510,7 @@ def test_a_layer_called_twice_is_judged_by_the_call_that_overflowed():
 def test_several_overflow_steps_in_one_execution_are_all_kept():
     """With steps_per_execution=4 the callbacks run once per 4 steps: the step keeps the
     batches of the first N overflow steps itself, not the host between executions."""
-    model, x, y = _bad_run_model()
-    model.compile(
-        optimizer=tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0),
-        loss="mse",
-        steps_per_execution=4,
-    )
+    model, x, y = _bad_run_model(steps_per_execution=4)
     keeper = model.keep_overflow_batches(2)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert [(k.step, k.scale) for k in keeper.kept] == [(1, 8.0), (3, 4.0)]
@@ -523,12 +518,7 @@ def test_several_overflow_steps_in_one_execution_are_all_kept():
 
 
 def test_an_eager_step_keeps_its_batches_too():
-    model, x, y = _bad_run_model()
-    model.compile(
-        optimizer=tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0),
-        loss="mse",
-        run_eagerly=True,
-    )
+    model, x, y = _bad_run_model(run_eagerly=True)
     keeper = model.keep_overflow_batches(1)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     (kept,) = keeper.kept

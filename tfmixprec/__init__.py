@@ -20,9 +20,7 @@ from tfmixprec.callbacks import LossScaleMonitor
 from tfmixprec.callbacks import OverflowGuard
 from tfmixprec.diagnosis import Float8Quantized
 from tfmixprec.diagnosis import Float8Replay
-from tfmixprec.diagnosis import KeptBatch
 from tfmixprec.diagnosis import LayerReplay
-from tfmixprec.diagnosis import OverflowBatches
 from tfmixprec.diagnosis import OverflowDiagnosis
 from tfmixprec.diagnosis import explain_overflow
 from tfmixprec.doctor import DoctorReport
@@ -41,6 +39,8 @@ from tfmixprec.hardware import HardwareInfo
 from tfmixprec.hardware import detect_hardware
 from tfmixprec.loss_scale import LossScaleConfig
 from tfmixprec.optimizer import LossScaleOptimizer
+from tfmixprec.overflow_batches import KeptBatch
+from tfmixprec.overflow_batches import OverflowBatches
 from tfmixprec.policy import PolicyChange
 from tfmixprec.policy import PolicyChoice
 from tfmixprec.policy import choose_policy

@@ -40,6 +40,7 @@ from tfmixprec._keras_compat import (
     replace_train_step,
 )
 from tfmixprec._text import docs_page
+from tfmixprec.unscaling import replica_variable
 
 __all__ = ["KeptBatch", "OverflowBatches"]
 
@@ -59,18 +60,6 @@ class KeptBatch:
     batch: tuple
 
 
-def _replica_variable(value: Any, shape: Any = None) -> tf.Variable:
-    """A variable each replica writes its own copy of (read in cross-replica context: the
-    first replica's)."""
-    return tf.Variable(
-        value,
-        shape=shape,
-        trainable=False,
-        synchronization=tf.VariableSynchronization.ON_READ,
-        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-    )
-
-
 def _fitted(value: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
     """`value` cut or zero-padded to `shape` (the same rank)."""
     have = tf.shape(value)
@@ -84,8 +73,10 @@ class _Slots:
 
     def __init__(self, spec: tf.TensorSpec, slots: int) -> None:
         known = [0 if d is None else d for d in spec.shape.as_list()]
-        self.data = _replica_variable(tf.zeros([slots, *known], spec.dtype), tf.TensorShape(None))
-        self.shapes = _replica_variable(tf.zeros([slots, len(known)], tf.int32))
+        self.data = replica_variable(
+            tf.zeros([slots, *known], spec.dtype), shape=tf.TensorShape(None)
+        )
+        self.shapes = replica_variable(tf.zeros([slots, len(known)], tf.int32))
 
     def write(self, value: tf.Tensor, chosen: tf.Tensor, grow: bool) -> list[Any]:
         """Selects `value` into the `chosen` slots (a bool vector); the slots grow to hold it
@@ -189,9 +180,9 @@ class OverflowBatches:
 
     def _create(self, spec: Any, flat: list[Any]) -> None:
         slots = self.limit + int(self.keeps_latest)
-        self._count = _replica_variable(tf.constant(0, tf.int64))
-        self._steps = _replica_variable(tf.fill([slots], tf.constant(-1, tf.int64)))
-        self._scales = _replica_variable(tf.zeros([slots], tf.float32))
+        self._count = replica_variable(tf.constant(0, tf.int64))
+        self._steps = replica_variable(tf.fill([slots], tf.constant(-1, tf.int64)))
+        self._scales = replica_variable(tf.zeros([slots], tf.float32))
         self._slots = [None if x is None else _Slots(_spec_of(x), slots) for x in flat]
         self._spec = spec
 

@@ -105,9 +105,12 @@ def _graphs_out() -> list[Any]:
     return found
 
 
-def _replica_variable(value: Any, name: str) -> tf.Variable:
+def replica_variable(value: Any, name: str | None = None, shape: Any = None) -> tf.Variable:
+    """A variable each replica writes its own copy of at run time (read in cross-replica
+    context: the first replica's); the unscaling record and the batch keeper's slots."""
     return tf.Variable(
         value,
+        shape=shape,
         trainable=False,
         name=name,
         synchronization=tf.VariableSynchronization.ON_READ,
@@ -125,11 +128,11 @@ class UnscaleLedger:
     """
 
     def __init__(self) -> None:
-        self.has_record = _replica_variable(0, "unscaled_has_record")
-        self.before_build = _replica_variable(0, "unscaled_before_build")
-        self.count_before_build = _replica_variable(0, "unscaled_count_before_build")
-        self.scaled_fingerprint = _replica_variable(0.0, "scaled_fingerprint")
-        self.unscaled_fingerprint = _replica_variable(0.0, "unscaled_fingerprint")
+        self.has_record = replica_variable(0, "unscaled_has_record")
+        self.before_build = replica_variable(0, "unscaled_before_build")
+        self.count_before_build = replica_variable(0, "unscaled_count_before_build")
+        self.scaled_fingerprint = replica_variable(0.0, "scaled_fingerprint")
+        self.unscaled_fingerprint = replica_variable(0.0, "unscaled_fingerprint")
         self.marks: tf.Variable | None = None  # one int per variable, made by `build`
         # While tracing: the graphs (and, in them, the threads: one a replica) where `clear`
         # ran and no `record` since. What one trace knows of its own ops, nothing more.
@@ -137,7 +140,7 @@ class UnscaleLedger:
 
     def build(self, num_variables: int) -> None:
         """Creates the per-variable marks for an optimizer of `num_variables` variables."""
-        self.marks = _replica_variable(tf.zeros([num_variables], tf.int32), "unscaled_marks")
+        self.marks = replica_variable(tf.zeros([num_variables], tf.int32), "unscaled_marks")
 
     def _check_replicas(self) -> None:
         ctx = tf.distribute.get_replica_context()
