@@ -486,3 +486,73 @@ def test_keras_checkpoint_restores_into_tfmixprec(tmp_path):
     tf.train.Checkpoint(optimizer=opt).restore(path).expect_partial()
     assert (float(opt.loss_scale.numpy()), int(opt.good_steps.numpy())) == (256.0, 2)
     assert int(opt.overflow_steps.numpy()) == 0
+
+
+# --------------------------------------------------------------- the traced shortcut
+# A graph that clears the record (`scale_loss`) and applies, with nothing in between that could
+# record, divides with no branch on the record (tests/test_host_waits.py). These are the orders
+# in which a trace cannot know that nothing recorded: each must unscale exactly once.
+
+
+def test_a_reused_nested_function_that_records_is_seen():
+    """The step is traced again (another batch size); the nested function that unscales is
+    not: its `record` runs but is not traced in the new trace."""
+    opt, variables = _setup(growth_interval=1000)
+    unscale = tf.function(lambda grads: opt.get_unscaled_gradients(grads))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            scaled = opt.scale_loss(tf.reduce_sum(variables[0] * TRUE * tf.reduce_mean(x)))
+        opt.apply(unscale(tape.gradient(scaled, variables)), variables)
+
+    step(tf.ones([4, 2]))
+    step(tf.ones([3, 2]))  # a retrace of `step`, reusing `unscale`
+    _assert_true_update(variables, 2)
+
+
+def test_a_reused_function_that_applies_is_not_bound_to_its_first_trace():
+    opt, variables = _setup(growth_interval=1000)
+    apply = tf.function(lambda grads: opt.apply(grads, variables))
+    tf.function(lambda: apply(_scaled_grads(opt, variables)))()  # traced after a scale_loss
+    tf.function(lambda: apply(_unscaled_grads(opt, variables)))()  # reused after an unscale
+    apply(_unscaled_grads(opt, variables))  # and eagerly
+    _assert_true_update(variables, 3)
+
+
+def test_a_loop_that_applies_before_it_unscales():
+    """A pipelined loop: the body applies the previous iteration's gradients, then computes
+    and unscales the next; the first ones, from before the loop, are scaled."""
+    opt, variables = _setup(growth_interval=1000)
+
+    @tf.function
+    def train(n):
+        grads = _scaled_grads(opt, variables)
+        for _ in tf.range(n):
+            opt.apply(grads, variables)
+            grads = opt.get_unscaled_gradients(_scaled_grads(opt, variables))
+
+    train(tf.constant(3))
+    _assert_true_update(variables, 3)
+
+
+def test_a_record_in_another_replica_call_with_other_threads_alive(two_cpu_strategy):
+    """Scale, unscale and apply in three `strategy.run` calls (three sets of replica threads,
+    whose ids the system may reuse), another thread alive meanwhile."""
+    opt, variables = _setup(two_cpu_strategy, growth_interval=1000)
+
+    @tf.function
+    def step():
+        grads = two_cpu_strategy.run(lambda: _scaled_grads(opt, variables))
+        stop = threading.Event()
+        other = threading.Thread(target=stop.wait)
+        other.start()
+        try:
+            grads = two_cpu_strategy.run(opt.get_unscaled_gradients, args=(grads,))
+        finally:
+            stop.set()
+            other.join()
+        two_cpu_strategy.run(lambda g: opt.apply(g, variables), args=(grads,))
+
+    step()
+    _assert_true_update(variables, 1, n_replicas=2)

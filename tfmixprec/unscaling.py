@@ -15,11 +15,13 @@ unscaled since the last `scale_loss`. `UnscaleLedger` holds that fact in per-rep
 Misuses that cannot be decided raise at run time (in eager mode at once) and change nothing.
 The variables are not checkpointed: they describe one step, not the training run.
 
-Where one traced function both starts the step (`clear`) and applies it, with no `record` in
-between (Keras 3's `train_step`, so every `fit`), nothing can be recorded when `apply` runs:
-the graph then divides by the scale with no branch on the record. On a GPU a branch outside
-XLA waits for its flag on the host; this is what the trace knows of its own ops, not state
-carried between calls.
+Where one graph both starts the step (`clear`) and applies it, and nothing between the two
+could record (no `record` traced there, and no op that runs other code: a function call, a
+conditional, a loop, a Python function), nothing can be recorded when `apply` runs: the graph
+then divides by the scale with no branch on the record (Keras 3's `train_step`, so every
+`fit`). On a GPU a branch outside XLA waits for its flag on the host. This is what one graph
+knows of its own ops in program order, not state carried between calls: a function traced
+elsewhere and called in between, or a `record` in any replica's thread, keeps the branch.
 """
 
 from __future__ import annotations
@@ -94,6 +96,25 @@ def _check(ok: tf.Tensor, message: str) -> Any:
     return tf.debugging.Assert(ok, [message])
 
 
+# Ops that run code traced elsewhere (a function, a branch, a loop body, Python): a `record`
+# inside one is not seen by the graph that calls it.
+_RUNS_OTHER_CODE = frozenset(
+    {
+        "PartitionedCall",
+        "StatefulPartitionedCall",
+        "If",
+        "StatelessIf",
+        "Case",
+        "StatelessCase",
+        "While",
+        "StatelessWhile",
+        "EagerPyFunc",
+        "PyFunc",
+        "PyFuncStateless",
+    }
+)
+
+
 def _graphs_out() -> list[Any]:
     """The graph being traced and the graphs around it (empty when eager)."""
     if tf.executing_eagerly():
@@ -134,8 +155,8 @@ class UnscaleLedger:
         self.scaled_fingerprint = replica_variable(0.0, "scaled_fingerprint")
         self.unscaled_fingerprint = replica_variable(0.0, "unscaled_fingerprint")
         self.marks: tf.Variable | None = None  # one int per variable, made by `build`
-        # While tracing: the graphs (and, in them, the threads: one a replica) where `clear`
-        # ran and no `record` since. What one trace knows of its own ops, nothing more.
+        # While tracing: the graphs where `clear` ran and no `record` since, with the number
+        # of ops the graph had then and the threads (one a replica) that cleared.
         self._cleared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def build(self, num_variables: int) -> None:
@@ -168,8 +189,8 @@ class UnscaleLedger:
             The run-time check that `grads` were not already unscaled (an op to depend on).
         """
         self._check_replicas()
-        for graph in _graphs_out():  # this graph and those around it: a record may follow
-            self._cleared.get(graph, set()).discard(threading.get_ident())
+        for graph in _graphs_out():  # this graph and those around it, every thread
+            self._cleared.pop(graph, None)
         scaled = fingerprint(grads)
         recorded = self.has_record.read_value() > 0
         again = tf.logical_and(recorded, _close(scaled, self.unscaled_fingerprint.read_value()))
@@ -198,13 +219,18 @@ class UnscaleLedger:
         self.has_record.assign(0)
         if not tf.executing_eagerly():
             graph = tf.compat.v1.get_default_graph()
-            self._cleared.setdefault(graph, set()).add(threading.get_ident())
+            ops, threads = self._cleared.get(graph, (len(graph.get_operations()), set()))
+            self._cleared[graph] = (ops, threads | {threading.get_ident()})
 
     def _nothing_recorded(self) -> bool:
-        """While tracing: whether this trace cleared the record (in this graph or one around
-        it, in this thread) and recorded nothing since, so nothing is recorded now."""
-        thread = threading.get_ident()
-        return any(thread in self._cleared.get(g, ()) for g in _graphs_out())
+        """While tracing: whether this graph, in this thread, cleared the record and nothing
+        since could have recorded (`_RUNS_OTHER_CODE`), so nothing is recorded now."""
+        graph = tf.compat.v1.get_default_graph()
+        cleared = self._cleared.get(graph)
+        if cleared is None or threading.get_ident() not in cleared[1]:
+            return False
+        since = graph.get_operations()[cleared[0] :]
+        return not any(op.type in _RUNS_OTHER_CODE for op in since)
 
     def unscale_for_apply(
         self,
