@@ -267,3 +267,43 @@ def test_with_accumulation_an_epoch_of_one_skipped_window_logs_its_counted_micro
     state = model.optimizer.read_state()
     assert (state["iterations"], state["overflow_steps"]) == (0, 1)
     assert np.isfinite(history["loss"][0])
+
+
+def test_only_what_the_step_writes_is_put_back():
+    """A frozen layer's weights are non-trainable state the step only reads: the guard puts
+    back what the block may write (batch-norm statistics, metrics), not a frozen table (a
+    select of it would copy it every step)."""
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((4,), dtype="int32")
+        table = keras.layers.Embedding(1000, 8, trainable=False, name="frozen")
+        hidden = keras.layers.Flatten()(table(inputs))
+        hidden = keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(8)(hidden))
+        model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(hidden))
+    opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0)
+    opt.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with tfmixprec.guard_state(model, opt):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+                scaled = opt.scale_loss(loss)
+            opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+
+    x, y = np.zeros((4, 4), "int32"), np.zeros((4, 1), "float32")
+    graph = step.get_concrete_function(x, y).graph
+    inside = {id(outer): inner for outer, inner in graph.captures}
+
+    def assigned(variable):
+        handle = inside[id(variable.value.handle)]
+        return any(op.type == "AssignVariableOp" and op.inputs[0] is handle
+                   for op in graph.get_operations())  # fmt: skip
+
+    bn = model.get_layer("bn")
+    assert assigned(bn.moving_mean) and assigned(bn.moving_variance)
+    assert not assigned(table.embeddings)
+    before = table.embeddings.numpy().copy()
+    x[0, 0] = 1  # any ids: only the table's reads change
+    step(x, np.full((4, 1), np.inf, "float32"))  # a skipped step
+    np.testing.assert_array_equal(table.embeddings.numpy(), before)

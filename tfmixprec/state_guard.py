@@ -48,6 +48,10 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
     """Puts the model's non-trainable variables and its metrics' back as they were before the
     block if the optimizer skipped the step the block ran (`guarded_variables`).
 
+    In a `tf.function` it puts back, with selects (no branch, so no host wait on a GPU), only
+    those the block may write: a frozen layer's weights, which the step only reads, cost
+    nothing. Eagerly it reads the skip flag and assigns when it is set.
+
     Use it inside the step, around the forward pass and `optimizer.apply` (eager or in a
     `tf.function`, under a strategy too: each replica puts back its own copies). With gradient
     accumulation a skipped window's last micro-batch is put back; the earlier micro-batches'
@@ -78,16 +82,52 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
         )
     variables = guarded_variables(model)
     saved = [read_now(variable) for variable in variables]
+    first = (
+        None if tf.executing_eagerly() else len(tf.compat.v1.get_default_graph().get_operations())
+    )
     yield
-    if not variables:
-        return
     skipped = optimizer.skipped()
-    if tf.distribute.has_strategy():  # each replica its own copies, in one merge_call
-        update_each_copy([(v, _restore, (skipped, s)) for v, s in zip(variables, saved)])
+    if first is None:  # eagerly: the flag is on the host already
+        if bool(skipped):
+            for variable, value in zip(variables, saved):
+                variable.assign(value)
         return
-    # A select, not a `cond`: on a GPU a `cond` outside XLA waits for its flag on the host.
-    for variable, value in zip(variables, saved):
+    # Only what the block may write (a frozen layer's weights are read, never written), with
+    # selects, not a `cond`: on a GPU a `cond` outside XLA waits for its flag on the host.
+    written = written_since(first, variables)
+    pairs = [(v, s) for v, s in zip(variables, saved) if id(v) in written]
+    if tf.distribute.has_strategy():  # each replica its own copies, in one merge_call
+        update_each_copy([(v, _restore, (skipped, s)) for v, s in pairs])
+        return
+    for variable, value in pairs:
         _restore(variable, skipped, value)
+
+
+def written_since(first: int, variables: list[Any]) -> set[int]:
+    """The ids of those of `variables` that an op added to the graph being traced since its
+    op `first` may write: one that takes the variable's handle for anything but a read (a
+    write, or a function, branch or loop that may write inside)."""
+    graph = tf.compat.v1.get_default_graph()
+    inside = {id(outer): inner for outer, inner in graph.captures}
+    owner = {}
+    for variable in variables:
+        for copy in _copies(variable):
+            handle = inside.get(id(copy.handle), copy.handle)
+            owner[handle.ref()] = variable
+    written = set()
+    for op in graph.get_operations()[first:]:
+        if op.type not in _READS:
+            written.update(id(owner[t.ref()]) for t in op.inputs if t.ref() in owner)
+    return written
+
+
+_READS = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp"})
+
+
+def _copies(variable: Any) -> tuple:
+    """The `tf.Variable`s behind a Keras or TF variable (one per replica when distributed)."""
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    return tuple(getattr(value, "values", None) or (value,))
 
 
 def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[Any], Any]:
