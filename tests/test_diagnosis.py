@@ -340,7 +340,7 @@ def test_keeping_overflow_batches_keeps_the_data_and_stops(jit_compile):
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_a_ragged_last_batch_is_kept_as_it_was(jit_compile):
     """The slots hold the largest batch; a smaller last batch that overflows comes back with
-    its own rows, with XLA too (where the step compiles itself and keeps it outside)."""
+    its own rows, with XLA too (the rows keep their size within a step)."""
     model, x, y = _bad_run_model(jit_compile=jit_compile)
     x, y = x[:30], y[:30]  # batches of 8, 8, 8 and 6; the last holds the NaN
     keeper = model.keep_overflow_batches(3)
@@ -564,3 +564,15 @@ def test_xla_with_several_replicas_cannot_keep_batches(two_cpu_strategy):
         model.compile(optimizer="sgd", loss="mse", jit_compile=True)
     with pytest.raises(ValueError, match="with 2 replicas needs a step without XLA"):
         model.keep_overflow_batches(1)
+
+
+def test_a_batch_of_unknown_size_is_kept_from_the_second_step():
+    """A `tf.data` batch declares no size: the rows start at one, the first step's overflow
+    does not fit (`missed`), and the host grows the rows before the next step."""
+    model, x, y = _bad_run_model()
+    x[1, 0] = 1e6  # batch 0 overflows too
+    keeper = model.keep_overflow_batches(3)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
+    assert keeper.missed == 1
+    assert [k.step for k in keeper.kept] == [1, 3]
+    np.testing.assert_array_equal(keeper.kept[0].batch[0], x[8:16])

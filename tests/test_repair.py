@@ -357,3 +357,16 @@ def test_a_fit_that_raised_leaves_no_keeping_behind():
         chain.append(getattr(step, "__name__", "?"))
         step = getattr(step, "__wrapped__", None)
     assert chain == ["guarded", "train_step"]  # the class's step, guarded once, no keeping
+
+
+def test_sample_weights_in_a_later_fit_are_kept_too():
+    """The keeper traced for `(x, y)` meets `(x, y, sample_weight)` in the next fit: the step
+    is traced again for it, and the repair comes at the same step as without the change."""
+    model = overflow_model("flows")
+    clean = overflowing(every=10**6)
+    model.fit(*clean, epochs=1, verbose=0, callbacks=[tfmixprec.PrecisionRepair()])
+    x, y = overflowing()
+    repair = tfmixprec.PrecisionRepair(verbose=0)
+    model.fit(x, y, sample_weight=np.ones(len(x), "float32"), batch_size=32, shuffle=False,
+              epochs=1, verbose=0, callbacks=[repair])  # fmt: skip
+    assert [(r.step, r.layers) for r in repair.repairs] == [(12, ("big", "proj"))]  # 8 before

@@ -13,7 +13,11 @@ from tfmixprec._fit_reader import FitReader
 from tfmixprec._text import docs_page
 from tfmixprec.diagnosis import OverflowDiagnosis, explain_overflow
 from tfmixprec.optimizer import LossScaleOptimizer
-from tfmixprec.overflow_batches import keep_for_callbacks, stop_keeping_for_callbacks
+from tfmixprec.overflow_batches import (
+    current_keeper,
+    keep_for_callbacks,
+    stop_keeping_for_callbacks,
+)
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
@@ -51,7 +55,8 @@ class Diagnoser:
         the replay for this `fit` with a warning; it never stops training."""
         if self._keeper is None or self._done >= self.limit:
             return []
-        fresh = self._keeper.kept_from(self._first + self._done)  # one read, then the new
+        seen = self._keeper.poll(model)  # one read (the rows grown where a batch did not fit)
+        fresh = self._keeper.kept_from(self._first + self._done, seen)
         fresh = fresh[: self.limit - self._done]
         self._done += len(fresh)
         found = []
@@ -100,6 +105,9 @@ class FitWatch(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self.reader.due(batch):
             self.model.optimizer.check_min_scale()
+        keeper = current_keeper(self.model)
+        if keeper is not None and keeper.owner == "user":  # `keep_overflow_batches`
+            keeper.poll(self.model)  # one read; the rows grown where a batch did not fit
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is not None:

@@ -2,23 +2,25 @@
 
 `explain_overflow` (the callbacks' `diagnose=`) and `PrecisionRepair` replay the batch of an
 overflow step after it ran. The step keeps it where XLA can compile it and the host waits for
-nothing: in variables, with selects, never a conditional or a host copy.
+nothing: in variables, never with a conditional or a host copy.
 
-- Each tensor of the batch `(x, y, sample_weight)` has one variable of slots: the batches of
-  the first `limit` overflow steps since the keeper was (re)started, then, where asked for
-  (`PrecisionRepair`), the newest overflow step's. Every step selects the batch into the slots
-  its overflow flag chooses (none on a clean step), so a clean step costs a device copy of the
-  batch a slot.
-- The slots grow to the largest batch seen (a ragged last batch is padded, and its own shape
-  kept beside it). XLA compiles a variable's shape in, so under `jit_compile=True` the step
-  compiles itself with XLA and keeps the batch just outside it (`_keras_compat.
-  make_train_function`): the step is XLA's, as Keras compiles it, and the slots still grow.
+- Each tensor of the batch `(x, y, sample_weight)` has one variable of rows: the batches of the
+  first `limit` overflow steps since the keeper was (re)started, then, where asked for
+  (`PrecisionRepair`), the newest overflow step's, then a scratch row. Every step writes its
+  batch into one or two rows with a scatter: the slots its overflow flag chooses, or the
+  scratch row on a clean step. A step costs a device copy of its batch, however many slots.
+- The rows have a fixed size, so the step is the same with XLA or without, in the train
+  function Keras builds. A smaller batch (a ragged last batch) is padded, and its own shape
+  kept beside it. Each step also notes the largest batch it saw: after a step whose batch did
+  not fit, the host grows the rows between steps (`poll`, which the callbacks call after each
+  batch), and XLA compiles the step once more for the new size. The rows start at the sizes
+  the traced batch declares; where one is unknown (a `tf.data` batch, a ragged last batch),
+  an overflow in the first step is not kept (`missed` counts those).
 - Each replica keeps its own batch (sync-on-read variables), for `PrecisionRepair`, which
   replays them all.
 
-The host reads the slots only when a callback acts on them: `seen` (one integer) tells
-whether an overflow step came since the last look, `kept` and `latest` copy batches to the
-host.
+The host reads the slots only when a callback acts on them: `poll` reads one vector of counts
+a batch; `kept` and `latest` copy batches to the host.
 """
 
 from __future__ import annotations
@@ -33,12 +35,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmixprec._keras_compat import (
-    STEP_COMPILES_ITSELF,
-    in_xla_context,
-    make_train_function,
-    replace_train_step,
-)
+from tfmixprec._keras_compat import replace_train_step
 from tfmixprec._text import docs_page
 from tfmixprec.unscaling import replica_variable
 
@@ -69,28 +66,52 @@ def _fitted(value: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
 
 
 class _Slots:
-    """One tensor of the batch: its slots and the shape each slot holds."""
+    """One tensor of the batch: its rows (the slots, then a scratch row), the shape each slot
+    holds, and the largest shape a step has seen."""
 
     def __init__(self, spec: tf.TensorSpec, slots: int) -> None:
-        known = [0 if d is None else d for d in spec.shape.as_list()]
+        # The sizes the trace declares; 1 where unknown (a scatter needs a row of one value).
+        known = [max(d or 1, 1) for d in spec.shape.as_list()]
         self.data = replica_variable(
-            tf.zeros([slots, *known], spec.dtype), shape=tf.TensorShape(None)
+            tf.zeros([slots + 1, *known], spec.dtype), shape=tf.TensorShape(None)
         )
         self.shapes = replica_variable(tf.zeros([slots, len(known)], tf.int32))
+        self.wanted = replica_variable(tf.zeros([len(known)], tf.int32))
 
-    def write(self, value: tf.Tensor, chosen: tf.Tensor, grow: bool) -> list[Any]:
-        """Selects `value` into the `chosen` slots (a bool vector); the slots grow to hold it
-        unless `grow` is False (inside XLA, where a variable keeps its shape): there a
-        `value` larger than the slots is not kept (`fits`)."""
-        held = tf.shape(self.data)
-        room = tf.maximum(held[1:], tf.shape(value)) if grow else held[1:]
-        fits = tf.reduce_all(tf.shape(value) <= room)
-        chosen = tf.logical_and(chosen, fits)
-        slots = _fitted(tf.convert_to_tensor(self.data), tf.concat([held[:1], room], 0))
+    def held(self) -> tf.Tensor:
+        """The rows' shape, from the variable's metadata: reading its value would hold its
+        buffer, and the scatter would then copy every row first (copy on write)."""
+        return tf.raw_ops.VariableShape(input=self.data.handle)
+
+    def fits(self, value: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_all(tf.shape(value) <= self.held()[1:])
+
+    def write(self, value: tf.Tensor, rows: tf.Tensor, chosen: tf.Tensor) -> list[Any]:
+        """Writes `value` into `rows` (a vector of row numbers; the scratch row where nothing
+        is kept) and its shape into the `chosen` slots; notes its shape."""
+        room = self.held()[1:]
         row = _fitted(value, room)[tf.newaxis]
-        mask = tf.reshape(chosen, tf.concat([held[:1], tf.ones_like(room)], 0))
-        shapes = tf.where(chosen[:, tf.newaxis], tf.shape(value)[tf.newaxis], self.shapes)
-        return [self.data.assign(tf.where(mask, row, slots)), self.shapes.assign(shapes)]
+        copies = tf.tile(row, tf.concat([tf.shape(rows), tf.ones_like(room)], 0))
+        shape = tf.shape(value)
+        # The op itself: a sync-on-read variable has no `scatter_nd_update` in replica
+        # context, where its `handle` is this replica's copy's.
+        update = tf.raw_ops.ResourceScatterNdUpdate
+        return [
+            update(ref=self.data.handle, indices=rows[:, tf.newaxis], updates=copies),
+            self.shapes.assign(tf.where(chosen[:, tf.newaxis], shape[tf.newaxis], self.shapes)),
+            self.wanted.assign(tf.maximum(self.wanted, shape)),
+        ]
+
+    def grow(self) -> bool:
+        """Between steps: every copy's rows grown to the largest shape any replica saw."""
+        wanted = np.max([w.numpy() for w in _local(self.wanted)], axis=0)
+        size = tf.shape(_local(self.data)[0]).numpy()
+        if (wanted <= size[1:]).all():
+            return False
+        size = tf.constant([size[0], *np.maximum(wanted, size[1:])])
+        for copy in _local(self.data):
+            copy.assign(_fitted(tf.convert_to_tensor(copy), size))
+        return True
 
     def read(self, copy: int, slot: int) -> np.ndarray:
         data = _local(self.data)[copy].numpy()[slot]
@@ -104,14 +125,20 @@ def _local(variable: Any) -> tuple:
     return tuple(values) if values is not None else (variable,)
 
 
+# The counts each step adds to: overflow steps kept, steps whose batch did not fit the rows,
+# and overflow steps whose batch did not fit (not kept).
+_KEPT, _UNFIT, _MISSED = 0, 1, 2
+
+
 class OverflowBatches:
     """Keeps the batches of the first `limit` overflow steps, and the newest overflow step's
     (one a replica; `latest=True`), in variables on the device, from inside the training step.
     `MixedPrecisionModel.keep_overflow_batches` puts one in the step.
 
-    A clean step reads no value on the host and branches on none: the step selects its batch
-    into the slots its overflow flag picks (none when it is clean), with XLA or without. The
-    host copies a batch only when asked (`kept`, `latest`).
+    A clean step reads no value on the host and branches on none: it writes its batch into a
+    scratch row. `poll` (after each batch, from the callbacks and `MixedPrecisionModel.fit`)
+    reads the counts and grows the rows where a batch did not fit; `kept` and `latest` copy
+    batches to the host.
 
     Args:
         limit: Int >= 0. How many overflow steps' batches to keep (from the first).
@@ -130,60 +157,80 @@ class OverflowBatches:
         self.active = True
         self.traced: Any = None
         self.unkept: str | None = None  # why the traced step keeps nothing (said once)
-        self._count: tf.Variable | None = None  # overflow steps since (re)started
+        self.stale = False  # a trace met another batch structure: `poll(model)` traces again
+        self._counts: tf.Variable | None = None  # `_KEPT`, `_UNFIT`, `_MISSED`
+        self._unfit_seen = 0  # `_UNFIT` when the rows were last grown
         self._steps: tf.Variable | None = None  # per slot: the step, and its scale
         self._scales: tf.Variable | None = None
         self._slots: list[_Slots | None] = []  # per tensor of the flattened batch
         self._spec: Any = None
         self._lock = threading.Lock()  # replicas trace in threads
 
+    @property
+    def _size(self) -> int:
+        return self.limit + int(self.keeps_latest)
+
     # ------------------------------------------------------------ in the step
     def keep_if_overflow(self, data: Any, overflowed: tf.Tensor, optimizer: Any) -> None:
-        """In the step, after `apply`: selects the batch into the slots of an overflow step
-        (the first `limit`, and the newest), with the scale and step; a clean step writes the
-        slots back unchanged. No conditional, no host copy."""
+        """In the step, after `apply`: writes the batch into the slots of an overflow step
+        (the next of the first `limit`, and the newest), with its scale and step, or into the
+        scratch row on a clean step. No conditional, no host copy."""
         batch = keras.utils.unpack_x_y_sample_weight(data)
         flat = tf.nest.flatten(batch)
         if not self._ready(batch, flat):
             return
-        count = tf.convert_to_tensor(self._count)
-        chosen = tf.equal(tf.range(self.limit, dtype=tf.int64), count)
+        slots = [(x, s) for x, s in zip(flat, self._slots) if s is not None]
+        fits = tf.reduce_all(tf.stack([s.fits(x) for x, s in slots]))
+        kept = tf.logical_and(overflowed, fits)
+        count = tf.convert_to_tensor(self._counts)[_KEPT]
+        scratch = tf.constant(self._size, tf.int64)
+        rows = [tf.where(tf.logical_and(kept, count < self.limit), count, scratch)]
         if self.keeps_latest:
-            chosen = tf.concat([chosen, [True]], 0)
-        chosen = tf.logical_and(overflowed, chosen)
-        scale = tf.cast(optimizer.last_overflow_scale, tf.float32)
+            rows.append(tf.where(kept, tf.constant(self.limit, tf.int64), scratch))
+        rows = tf.stack(rows)
+        chosen = tf.reduce_any(tf.range(self._size, dtype=tf.int64)[:, None] == rows, axis=1)
+        for tensor, slot in slots:
+            slot.write(tensor, rows, chosen)
         step = tf.cast(optimizer.last_overflow_step(), tf.int64)
-        grow = not in_xla_context()
-        for tensor, slots in zip(flat, self._slots):
-            if slots is not None:
-                slots.write(tensor, chosen, grow)
+        scale = tf.cast(optimizer.last_overflow_scale, tf.float32)
         self._steps.assign(tf.where(chosen, step, self._steps))
         self._scales.assign(tf.where(chosen, scale, self._scales))
-        self._count.assign_add(tf.cast(overflowed, tf.int64))
+        missed = tf.logical_and(overflowed, tf.logical_not(fits))
+        added = tf.stack([kept, tf.logical_not(fits), missed])
+        self._counts.assign_add(tf.cast(added, tf.int64))
 
     def _ready(self, batch: Any, flat: list[Any]) -> bool:
-        """Creates the variables at the first trace (a tensor each); False, said once, where
-        the batch cannot be kept (not dense, or another structure than the first trace's)."""
+        """Creates the variables at the first trace (a tensor each); False where the batch
+        cannot be kept: said once where it is not dense; another structure than the first
+        trace's makes the keeper `stale` (`poll(model)` traces the step again)."""
         with self._lock:
-            if self.unkept is not None:
+            if self.unkept is not None or self.stale:
                 return False
             kinds = [x for x in flat if x is not None and not isinstance(x, tf.Tensor)]
             if kinds:
                 return self._cannot(f"a {type(kinds[0]).__name__} in the batch")
             spec = tf.nest.map_structure(_spec_of, batch)
-            if self._count is None:
+            if self._counts is None:
                 with tf.init_scope():
                     self._create(spec, flat)
             elif not _same_structure(self._spec, spec):
-                return self._cannot("a batch of another structure or dtype than the first")
+                self.stale = True
+                if self.owner == "user":
+                    warnings.warn(
+                        "tfmixprec: batches are not kept: a batch of another structure or "
+                        "dtype than the first; call keep_overflow_batches again "
+                        f"{docs_page('guides/why-overflow')}",
+                        stacklevel=5,
+                    )
+                return False
         return True
 
     def _create(self, spec: Any, flat: list[Any]) -> None:
-        slots = self.limit + int(self.keeps_latest)
-        self._count = replica_variable(tf.constant(0, tf.int64))
-        self._steps = replica_variable(tf.fill([slots], tf.constant(-1, tf.int64)))
-        self._scales = replica_variable(tf.zeros([slots], tf.float32))
-        self._slots = [None if x is None else _Slots(_spec_of(x), slots) for x in flat]
+        self._counts = replica_variable(tf.zeros([3], tf.int64))
+        self._unfit_seen = 0
+        self._steps = replica_variable(tf.fill([self._size], tf.constant(-1, tf.int64)))
+        self._scales = replica_variable(tf.zeros([self._size], tf.float32))
+        self._slots = [None if x is None else _Slots(_spec_of(x), self._size) for x in flat]
         self._spec = spec
 
     def _cannot(self, why: str) -> bool:
@@ -192,10 +239,33 @@ class OverflowBatches:
         return False
 
     # ------------------------------------------------------------ on the host
+    def poll(self, model: Any = None) -> int:
+        """Between steps: reads the counts (one small read), grows the rows where a step's
+        batch did not fit, and, given the `model` whose step holds this keeper, traces that
+        step again where it met another batch structure. Returns `seen`."""
+        if self.stale and model is not None and current_keeper(model) is self:
+            self.forget()
+            set_keeper(model, self)
+        if self._counts is None:
+            return 0
+        counts = _local(self._counts)[0].numpy()
+        if counts[_UNFIT] > self._unfit_seen:
+            self._unfit_seen = int(counts[_UNFIT])
+            for slots in self._slots:
+                if slots is not None:
+                    slots.grow()
+        return int(counts[_KEPT])
+
     @property
     def seen(self) -> int:
-        """Overflow steps since the keeper (re)started: one integer read from the device."""
-        return 0 if self._count is None else int(_local(self._count)[0].numpy())
+        """Overflow steps kept since the keeper (re)started (`poll`)."""
+        return self.poll()
+
+    @property
+    def missed(self) -> int:
+        """Overflow steps since the keeper (re)started whose batch was larger than the rows
+        then (an unknown batch size in the first step, or a larger batch): not kept."""
+        return 0 if self._counts is None else int(_local(self._counts)[0].numpy()[_MISSED])
 
     @property
     def kept(self) -> list[KeptBatch]:
@@ -203,9 +273,10 @@ class OverflowBatches:
         replica's)."""
         return self.kept_from(0)
 
-    def kept_from(self, first: int) -> list[KeptBatch]:
-        """`kept[first:]`, reading the count and then only those batches."""
-        return [self._read(0, slot) for slot in range(first, min(self.seen, self.limit))]
+    def kept_from(self, first: int, seen: int | None = None) -> list[KeptBatch]:
+        """`kept[first:]`: only those batches copied (`seen`: the count, if read already)."""
+        seen = self.seen if seen is None else seen
+        return [self._read(0, slot) for slot in range(first, min(seen, self.limit))]
 
     @property
     def latest(self) -> list[KeptBatch]:
@@ -213,24 +284,25 @@ class OverflowBatches:
         the keeper does not keep it)."""
         if not self.keeps_latest or not self.seen:
             return []
-        return [self._read(copy, self.limit) for copy in range(len(_local(self._count)))]
+        return [self._read(copy, self.limit) for copy in range(len(_local(self._counts)))]
 
     @property
     def traced_once(self) -> bool:
         """Whether a traced step has created the slots (their number is fixed from then)."""
-        return self._count is not None
+        return self._counts is not None
 
     def forget(self) -> None:
-        """Drops the slots: the next traced step makes them again (for another `limit` or
-        the newest batch), and keeps from there."""
-        self._count = self._steps = self._scales = self._spec = None
-        self._slots, self.unkept = [], None
+        """Drops the slots: the next traced step makes them again (for another `limit`, the
+        newest batch or another batch structure), and keeps from there."""
+        self._counts = self._steps = self._scales = self._spec = None
+        self._slots, self.unkept, self.stale = [], None, False
 
     def restart(self) -> None:
-        """Keeps from the next overflow step on as if new (the slots are reused)."""
-        if self._count is not None:
-            for copy in _local(self._count):
-                copy.assign(0)
+        """Keeps from the next overflow step on as if new (the rows are reused)."""
+        if self._counts is not None:
+            for copy in _local(self._counts):
+                copy.assign(tf.zeros([3], tf.int64))
+            self._unfit_seen = 0
 
     def _read(self, copy: int, slot: int) -> KeptBatch:
         arrays = iter([s.read(copy, slot) for s in self._slots if s is not None])
@@ -256,9 +328,8 @@ def _same_structure(first: Any, spec: Any) -> bool:
 
 # ------------------------------------------------------------------ keeping in the step
 # Any Keras model's step can keep its overflow batches: the step is wrapped for the next trace
-# (`_keras_compat.replace_train_step`), and the wrapper selects the batch into the keeper's
-# slots after the model's own step. Under XLA the wrapper compiles that step with XLA itself
-# and keeps the batch outside it, where the slots can grow.
+# (`_keras_compat.replace_train_step`), and the wrapper writes the batch into the keeper's rows
+# after the model's own step, inside the train function Keras builds (with XLA or without).
 
 
 def cannot_keep_batches(model: Any, replicas_ok: bool = False) -> str | None:
@@ -298,20 +369,14 @@ def set_keeper(model: Any, keeper: OverflowBatches | None) -> OverflowBatches | 
     stops keeping. Either way the train function is traced again."""
     model._tfmixprec_overflow_batches = keeper
     replace_train_step(model, None if keeper is None else _keeping(model, keeper))
-    make_train_function(model)
+    model.make_train_function(force=True)
     return keeper
 
 
 def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
     def make(step: Callable) -> Callable:
         def keeping_step(data: Any) -> Any:
-            # XLA's step, as Keras would compile it, where Keras was told to leave it to
-            # this wrapper (outside XLA the slots can grow); inside XLA, the step as it is.
-            # A function of this trace's own: a repair's new policies trace it anew.
-            if model.jit_compile and not in_xla_context():
-                logs = tf.function(step, jit_compile=True, reduce_retracing=True)(data)
-            else:
-                logs = step(data)
+            logs = step(data)
             optimizer = model.optimizer  # read while tracing: the adopted one, if adopted
             overflow = logs.get("overflow") if isinstance(logs, dict) else None
             if overflow is None:  # Keras's own train_step: the optimizer's flag, in the graph
@@ -322,7 +387,6 @@ def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
         # The state guard wraps a step once: the keeping wrapper says whether what it wraps
         # is guarded already (`_adoption`), so a later adoption does not guard it twice.
         keeping_step.tfmixprec_guarded = getattr(step, "tfmixprec_guarded", False)
-        setattr(keeping_step, STEP_COMPILES_ITSELF, True)
         keeping_step.__wrapped__ = step
         return keeping_step
 

@@ -2,9 +2,9 @@
 steps, and training goes on from the current weights.
 
 `PrecisionRepair` costs little while nothing overflows: the step keeps the batch of an
-overflow step on the device (`overflow_batches.OverflowBatches`: selects into variables, no
+overflow step on the device (`overflow_batches.OverflowBatches`: a scatter into variables, no
 conditional and no host read in the step, with XLA or without), and after each batch the
-callback reads one integer, the keeper's count of overflow steps, after Keras's own read of
+callback reads one small vector of counts (`OverflowBatches.poll`), after Keras's own read of
 the batch's logs. When overflows keep coming and the scale cannot fix them (a run of
 `max_consecutive` overflow steps, or an overflow at `min_scale`; both counted by the step in
 the optimizer's variables), it replays the newest overflow step's batches
@@ -36,7 +36,6 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._fit_reader import FitReader
-from tfmixprec._keras_compat import make_train_function
 from tfmixprec._layers import compiled_loss, iter_layers, mark_float32
 from tfmixprec._text import docs_page
 from tfmixprec._validate import check_int_at_least_one
@@ -124,8 +123,8 @@ class PrecisionRepair(keras.callbacks.Callback):
     """Repairs float16 overflows during `fit`: the layers whose values pass float16's range
     move to float32 between steps, and training goes on from the current weights.
 
-    While nothing overflows it reads one integer a batch, after the step (no host wait inside
-    it). When overflows keep coming and
+    While nothing overflows it reads one small vector of counts a batch, after the step (no
+    host wait inside it). When overflows keep coming and
     the loss scale cannot fix them (`max_consecutive` overflow steps in a row, or one at
     `min_scale`), it replays the newest overflow step's batch outside training and moves the
     smallest set of layers that makes it finite to float32 (see `tfmixprec.calibrate`), then
@@ -226,9 +225,10 @@ class PrecisionRepair(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         keeper = self._keeper
-        if keeper is None or keeper.seen == self._seen:
-            return  # no overflow since the last look: nothing read
-        self._seen = keeper.seen
+        seen = None if keeper is None else keeper.poll(self.model)  # one read
+        if seen is None or seen == self._seen:
+            return  # no overflow kept since the last look
+        self._seen = seen
         if len(self.repairs) >= self.max_repairs:
             return
         state = self._reader.read()[0]
@@ -266,7 +266,7 @@ class PrecisionRepair(keras.callbacks.Callback):
             mark_float32(self.model, {layer: reason for layer in judgment.layers})
             if judgment.loss_scale > 0:
                 self._reader.optimizer.restart_at(judgment.loss_scale)
-            make_train_function(self.model)
+            self.model.make_train_function(force=True)
             self.repairs.append(judgment)
             _record(self.model, judgment)
             if not recorded:  # last: a warning turned error leaves nothing half-done

@@ -234,9 +234,10 @@ class MixedPrecisionMixin(MultiWorkerFit):
         `diagnose=` switch keeps batches the same way for the length of a `fit`, or reads the
         ones kept here.)
 
-        The step selects its batch into the keeper's variables (a device copy of the batch
-        per slot, no conditional and no host read), with XLA (`jit_compile=True`) or without;
-        `kept` copies the batches to the host when read.
+        The step writes its batch into the keeper's variables (one device copy of the batch
+        a step, no conditional and no host read), with XLA (`jit_compile=True`) or without;
+        `MixedPrecisionModel.fit` polls it after each batch (one small read; the rows grown
+        where a batch did not fit), and `kept` copies the batches to the host when read.
 
         Args:
             limit: Int >= 0. How many overflow batches to keep at the most.
