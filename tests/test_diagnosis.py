@@ -566,13 +566,44 @@ def test_xla_with_several_replicas_cannot_keep_batches(two_cpu_strategy):
         model.keep_overflow_batches(1)
 
 
-def test_a_batch_of_unknown_size_is_kept_from_the_second_step():
-    """A `tf.data` batch declares no size: the rows start at one, the first step's overflow
-    does not fit (`missed`), and the host grows the rows before the next step."""
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_batch_of_unknown_size_and_batches_that_grow(jit_compile):
+    """A `tf.data` batch declares no size, and each batch here is longer than the one before
+    (sequences sorted by length): the rows grow in the step, and every overflow is kept."""
+    model, x, y = _bad_run_model(jit_compile=jit_compile)
+    x[1, 0] = 1e6  # batch 0 overflows too
+    sizes = [4, 8, 8, 12]  # the NaN row 25 in the last and longest
+    starts = np.cumsum([0, *sizes])
+
+    def batches():
+        for start, size in zip(starts, sizes):
+            yield x[start : start + size], y[start : start + size]
+
+    spec = (tf.TensorSpec([None, 8]), tf.TensorSpec([None, 1]))
+    keeper = model.keep_overflow_batches(4)
+    model.fit(tf.data.Dataset.from_generator(batches, output_signature=spec), verbose=0)
+    assert keeper.missed == 0
+    kept = keeper.kept
+    for k in kept:
+        start, size = starts[k.step], sizes[k.step]
+        np.testing.assert_array_equal(k.batch[0], x[start : start + size])
+    assert [k.step for k in kept] == [0, 1, 3]
+
+
+def test_a_keeper_inside_an_xla_step_keras_built_grows_between_steps():
+    """`keep_overflow_batches`, then a `compile()`: Keras builds the XLA step itself, and the
+    keeper runs inside it with rows of fixed size. A batch larger than any before is not kept
+    (said), the rows grow between steps, and the next overflow is kept."""
     model, x, y = _bad_run_model()
     x[1, 0] = 1e6  # batch 0 overflows too
     keeper = model.keep_overflow_batches(3)
-    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
+    model.compile(
+        optimizer=tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0),
+        loss="mse",
+        jit_compile=True,
+    )
+    with pytest.warns(RuntimeWarning, match="1 overflow step.s. not kept for a replay"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
     assert keeper.missed == 1
     assert [k.step for k in keeper.kept] == [1, 3]
     np.testing.assert_array_equal(keeper.kept[0].batch[0], x[8:16])

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec._keras_compat import set_compiled_optimizer
+from tfmixprec._keras_compat import make_train_function, set_compiled_optimizer
 from tfmixprec._layers import iter_layers
 from tfmixprec._text import docs_page
 from tfmixprec.loss_scale import format_scale
@@ -105,7 +105,7 @@ def _guard_train_step(model: Any) -> None:
     variable) and has `fit` trace it again."""
     if not getattr(model.train_step, "tfmixprec_guarded", False):
         model.train_step = guarded_step(model, model.train_step)
-        model.make_train_function(force=True)
+        make_train_function(model)
 
 
 def _adopt(model: Any, keras_optimizer: Any, who: str) -> LossScaleOptimizer:
@@ -115,7 +115,7 @@ def _adopt(model: Any, keras_optimizer: Any, who: str) -> LossScaleOptimizer:
     model.optimizer = new
     set_compiled_optimizer(model, new)  # so model.save writes the new one
     _guard_train_step(model)  # a skipped step changes no variable
-    model.make_train_function(force=True)  # traced with the new optimizer
+    make_train_function(model)  # traced with the new optimizer
     carried = "; its state carried over" if keras_optimizer.built else ""
     line = (
         f"tfmixprec: {who} replaced the keras.optimizers.LossScaleOptimizer of model "

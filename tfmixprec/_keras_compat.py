@@ -31,12 +31,18 @@ from keras.src.models.model import functional_init_arguments  # noqa: F401  (re-
 # (the parent `LossScaleOptimizer.build` is decorated the same way).
 from keras.src.utils.tracking import no_automatic_dependency_tracking  # noqa: F401
 
+# Why: see `in_xla_context`.
+from tensorflow.python.ops.control_flow_util import (
+    GraphOrParentsInXlaContext as _xla_context,
+)
+
 __all__ = [
     "ARCHIVE_CONFIG",
     "ARCHIVE_WEIGHTS",
     "Functional",
     "KerasLossScaleHooks",
     "REVERSIBLE_EMBEDDING",
+    "STEP_COMPILES_ITSELF",
     "MultiWorkerFit",
     "across_workers",
     "all_sublayers",
@@ -48,7 +54,9 @@ __all__ = [
     "float32_convolution_call",
     "float32_product_call",
     "functional_init_arguments",
+    "in_xla_context",
     "loss_tracker_count",
+    "make_train_function",
     "no_automatic_dependency_tracking",
     "producing_layer",
     "producing_output_index",
@@ -436,6 +444,46 @@ def replace_train_step(model: Any, make_step: Any) -> None:
 _REPLACED = "_tfmixprec_replaced_step"  # on a wrapped step: the instance step it wraps, or None
 
 
+# On a `train_step` that compiles itself with XLA where the model asks for XLA: the train
+# function around it is built without XLA (`make_train_function`).
+STEP_COMPILES_ITSELF = "tfmixprec_compiles_itself"
+
+
+def make_train_function(model: Any) -> None:
+    """`model.make_train_function(force=True)`; where the model's `train_step` compiles
+    itself with XLA (it carries `STEP_COMPILES_ITSELF`) and the model asks for XLA, the train
+    function Keras builds around it is built without XLA.
+
+    Why: Keras compiles its per-batch function, `train_step` included, with XLA when
+    `model.jit_compile` is set, and reads that setting only when it builds the train function
+    (`_make_function`, Keras 3.12 to 3.15). XLA compiles a variable's shape into the step;
+    tfmixprec's batch keeper (`overflow_batches`) grows its rows in the step where a batch is
+    larger, so it runs just outside the XLA step: the step is XLA's as Keras would compile it,
+    and the model's setting is put back right after the build.
+    """
+    jit = model.jit_compile
+    outside = jit and getattr(model.train_step, STEP_COMPILES_ITSELF, False)
+    if outside:
+        model.jit_compile = False
+    try:
+        model.make_train_function(force=True)
+    finally:
+        if outside:
+            model.jit_compile = jit
+
+
+def in_xla_context() -> bool:
+    """Whether the function being traced now is compiled with XLA (inside a
+    `tf.function(jit_compile=True)`, or called from one); False when eager.
+
+    Why: TensorFlow says so only through its internal `control_flow_util`, which its own
+    `tf.while_loop` asks to lower a loop for XLA.
+    """
+    if tf.executing_eagerly():
+        return False
+    return bool(_xla_context(tf.compat.v1.get_default_graph()))
+
+
 def traced_train_functions(model: Any) -> list[Any]:
     """The concrete functions Keras has traced for `model.train_function` (its per-execution
     `tf.function`; the per-batch step, XLA-compiled or not, is a function called inside).
@@ -446,8 +494,8 @@ def traced_train_functions(model: Any) -> list[Any]:
     `tf.function`'s concrete functions.
     """
     function = getattr(model, "train_function", None)
-    if function is None:
-        return []
+    if not inspect.isfunction(function):
+        return []  # none yet, or one set by the user (not Keras's)
     traced = inspect.getclosurevars(function).nonlocals.get("multi_step_on_iterator")
     if traced is None or not hasattr(traced, "_list_all_concrete_functions"):
         return []  # run eagerly: nothing traced

@@ -32,7 +32,7 @@ import tensorflow as tf
 from tfmixprec._cadence import Every
 from tfmixprec._cpu_route import unroute
 from tfmixprec._dtypes import FLOAT8_MAX
-from tfmixprec._keras_compat import float8_call_watched, watch_float8_call
+from tfmixprec._keras_compat import float8_call_watched, make_train_function, watch_float8_call
 from tfmixprec._layers import check_built_model, forget_traced_functions, iter_layers
 from tfmixprec._observe import Observation, observe
 from tfmixprec._text import docs_page
@@ -517,7 +517,7 @@ class Float8Reader:
         """From `on_train_begin`: watches `model`'s float8 layers; returns whether it has any."""
         self.model = model
         if watch_float8(model):
-            model.make_train_function(force=True)  # the fit in progress calls the new one
+            make_train_function(model)  # the fit in progress calls the new one
         self._last = {s.layer: s for s in float8_stats(model)}
         return bool(self._last)
 

@@ -9,18 +9,20 @@ nothing: in variables, never with a conditional or a host copy.
   (`PrecisionRepair`), the newest overflow step's, then a scratch row. Every step writes its
   batch into one or two rows with a scatter: the slots its overflow flag chooses, or the
   scratch row on a clean step. A step costs a device copy of its batch, however many slots.
-- The rows have a fixed size, so the step is the same with XLA or without, in the train
-  function Keras builds. A smaller batch (a ragged last batch) is padded, and its own shape
-  kept beside it. Each step also notes the largest batch it saw: after a step whose batch did
-  not fit, the host grows the rows between steps (`poll`, which the callbacks call after each
-  batch), and XLA compiles the step once more for the new size. The rows start at the sizes
-  the traced batch declares; where one is unknown (a `tf.data` batch, a ragged last batch),
-  an overflow in the first step is not kept (`missed` counts those).
+- The rows grow, in the step, where a batch is larger than any before: a branch decided by
+  shapes alone, which the host knows without waiting for the device. A smaller batch (a
+  ragged last batch) is padded, and its own shape kept beside it.
+- XLA compiles a variable's size into the step, so under `jit_compile=True` the keeper
+  compiles the model's step with XLA itself and keeps the batch just outside it
+  (`_keras_compat.make_train_function` builds Keras's train function around it without XLA).
+  Where Keras builds the train function itself with XLA (a `compile()` after
+  `keep_overflow_batches`), the keeper runs inside XLA with rows of fixed size: a batch larger
+  than any before is not kept (`missed`, said in a warning), and `poll` grows the rows.
 - Each replica keeps its own batch (sync-on-read variables), for `PrecisionRepair`, which
   replays them all.
 
-The host reads the slots only when a callback acts on them: `poll` reads one vector of counts
-a batch; `kept` and `latest` copy batches to the host.
+The host reads the slots only when a callback acts on them: `poll` (the callbacks call it
+after each batch) reads one vector of counts; `kept` and `latest` copy batches to the host.
 """
 
 from __future__ import annotations
@@ -35,7 +37,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmixprec._keras_compat import replace_train_step
+from tfmixprec._keras_compat import (
+    STEP_COMPILES_ITSELF,
+    in_xla_context,
+    make_train_function,
+    replace_train_step,
+)
 from tfmixprec._text import docs_page
 from tfmixprec.unscaling import replica_variable
 
@@ -65,6 +72,11 @@ def _fitted(value: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
     return tf.pad(value, tf.stack([tf.zeros_like(take), shape - take], axis=1))
 
 
+# Kept as float32, exactly: the narrow integers and bool, which lack a scatter kernel on some
+# devices (uint16 on a CPU, bool on a GPU).
+_AS_FLOAT32 = (tf.bool, tf.int8, tf.uint8, tf.int16, tf.uint16)
+
+
 class _Slots:
     """One tensor of the batch: its rows (the slots, then a scratch row), the shape each slot
     holds, and the largest shape a step has seen."""
@@ -72,8 +84,10 @@ class _Slots:
     def __init__(self, spec: tf.TensorSpec, slots: int) -> None:
         # The sizes the trace declares; 1 where unknown (a scatter needs a row of one value).
         known = [max(d or 1, 1) for d in spec.shape.as_list()]
+        self.dtype = spec.dtype
+        self.stored = tf.float32 if spec.dtype in _AS_FLOAT32 else spec.dtype
         self.data = replica_variable(
-            tf.zeros([slots + 1, *known], spec.dtype), shape=tf.TensorShape(None)
+            tf.zeros([slots + 1, *known], self.stored), shape=tf.TensorShape(None)
         )
         self.shapes = replica_variable(tf.zeros([slots, len(known)], tf.int32))
         self.wanted = replica_variable(tf.zeros([len(known)], tf.int32))
@@ -86,11 +100,27 @@ class _Slots:
     def fits(self, value: tf.Tensor) -> tf.Tensor:
         return tf.reduce_all(tf.shape(value) <= self.held()[1:])
 
+    def make_room(self, value: tf.Tensor) -> None:
+        """Outside XLA: the rows grown, in the step, where `value` is larger. The branch is
+        decided by shapes alone, on the host (no device value: no wait on a GPU); the rows are
+        copied only when they grow."""
+        with tf.device("/cpu:0"):
+            held = self.held()
+            larger = tf.reduce_max(tf.shape(value) - held[1:]) > 0
+
+        def grow() -> tf.Tensor:
+            size = tf.concat([held[:1], tf.maximum(held[1:], tf.shape(value))], 0)
+            self.data.assign(_fitted(tf.convert_to_tensor(self.data), size))
+            return tf.constant(True)
+
+        with tf.name_scope("keeper_rows_grow"):
+            tf.cond(larger, grow, lambda: tf.constant(False))
+
     def write(self, value: tf.Tensor, rows: tf.Tensor, chosen: tf.Tensor) -> list[Any]:
         """Writes `value` into `rows` (a vector of row numbers; the scratch row where nothing
         is kept) and its shape into the `chosen` slots; notes its shape."""
         room = self.held()[1:]
-        row = _fitted(value, room)[tf.newaxis]
+        row = _fitted(tf.cast(value, self.stored), room)[tf.newaxis]
         copies = tf.tile(row, tf.concat([tf.shape(rows), tf.ones_like(room)], 0))
         shape = tf.shape(value)
         # The op itself: a sync-on-read variable has no `scatter_nd_update` in replica
@@ -116,7 +146,7 @@ class _Slots:
     def read(self, copy: int, slot: int) -> np.ndarray:
         data = _local(self.data)[copy].numpy()[slot]
         shape = _local(self.shapes)[copy].numpy()[slot]
-        return data[tuple(slice(0, n) for n in shape)]
+        return data[tuple(slice(0, n) for n in shape)].astype(self.dtype.as_numpy_dtype)
 
 
 def _local(variable: Any) -> tuple:
@@ -160,6 +190,7 @@ class OverflowBatches:
         self.stale = False  # a trace met another batch structure: `poll(model)` traces again
         self._counts: tf.Variable | None = None  # `_KEPT`, `_UNFIT`, `_MISSED`
         self._unfit_seen = 0  # `_UNFIT` when the rows were last grown
+        self._missed_said = 0  # `_MISSED` when last said
         self._steps: tf.Variable | None = None  # per slot: the step, and its scale
         self._scales: tf.Variable | None = None
         self._slots: list[_Slots | None] = []  # per tensor of the flattened batch
@@ -174,12 +205,17 @@ class OverflowBatches:
     def keep_if_overflow(self, data: Any, overflowed: tf.Tensor, optimizer: Any) -> None:
         """In the step, after `apply`: writes the batch into the slots of an overflow step
         (the next of the first `limit`, and the newest), with its scale and step, or into the
-        scratch row on a clean step. No conditional, no host copy."""
+        scratch row on a clean step. No host copy, and no branch on a device value: outside XLA
+        the rows grow in the step where the batch is larger (a branch on shapes, decided on
+        the host); inside XLA, whose step keeps a variable's size, `poll` grows them."""
         batch = keras.utils.unpack_x_y_sample_weight(data)
         flat = tf.nest.flatten(batch)
         if not self._ready(batch, flat):
             return
         slots = [(x, s) for x, s in zip(flat, self._slots) if s is not None]
+        if not in_xla_context():
+            for tensor, slot in slots:
+                slot.make_room(tensor)
         fits = tf.reduce_all(tf.stack([s.fits(x) for x, s in slots]))
         kept = tf.logical_and(overflowed, fits)
         count = tf.convert_to_tensor(self._counts)[_KEPT]
@@ -227,7 +263,7 @@ class OverflowBatches:
 
     def _create(self, spec: Any, flat: list[Any]) -> None:
         self._counts = replica_variable(tf.zeros([3], tf.int64))
-        self._unfit_seen = 0
+        self._unfit_seen = self._missed_said = 0
         self._steps = replica_variable(tf.fill([self._size], tf.constant(-1, tf.int64)))
         self._scales = replica_variable(tf.zeros([self._size], tf.float32))
         self._slots = [None if x is None else _Slots(_spec_of(x), self._size) for x in flat]
@@ -249,6 +285,17 @@ class OverflowBatches:
         if self._counts is None:
             return 0
         counts = _local(self._counts)[0].numpy()
+        if counts[_MISSED] > self._missed_said:
+            self._missed_said = int(counts[_MISSED])
+            warnings.warn(
+                f"tfmixprec: {self._missed_said} overflow step(s) not kept for a replay: the "
+                "batch keeper ran inside an XLA step that Keras built itself (a compile() after "
+                "keep_overflow_batches, say), which keeps the rows' size, and the batch was "
+                "larger than any before; they are grown now. Call keep_overflow_batches again "
+                f"after compile(). {docs_page('guides/why-overflow')}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if counts[_UNFIT] > self._unfit_seen:
             self._unfit_seen = int(counts[_UNFIT])
             for slots in self._slots:
@@ -302,7 +349,7 @@ class OverflowBatches:
         if self._counts is not None:
             for copy in _local(self._counts):
                 copy.assign(tf.zeros([3], tf.int64))
-            self._unfit_seen = 0
+            self._unfit_seen = self._missed_said = 0
 
     def _read(self, copy: int, slot: int) -> KeptBatch:
         arrays = iter([s.read(copy, slot) for s in self._slots if s is not None])
@@ -369,14 +416,21 @@ def set_keeper(model: Any, keeper: OverflowBatches | None) -> OverflowBatches | 
     stops keeping. Either way the train function is traced again."""
     model._tfmixprec_overflow_batches = keeper
     replace_train_step(model, None if keeper is None else _keeping(model, keeper))
-    model.make_train_function(force=True)
+    make_train_function(model)
     return keeper
 
 
 def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
     def make(step: Callable) -> Callable:
         def keeping_step(data: Any) -> Any:
-            logs = step(data)
+            # Under XLA: XLA's step, as Keras would compile it, where Keras was told to leave
+            # it to this wrapper (`make_train_function`), and the batch kept outside it, where
+            # the rows can grow. A function of this trace's own: a repair's new policies trace
+            # it anew. In a train function Keras built itself with XLA, the step as it is.
+            if model.jit_compile and not in_xla_context():
+                logs = tf.function(step, jit_compile=True, reduce_retracing=True)(data)
+            else:
+                logs = step(data)
             optimizer = model.optimizer  # read while tracing: the adopted one, if adopted
             overflow = logs.get("overflow") if isinstance(logs, dict) else None
             if overflow is None:  # Keras's own train_step: the optimizer's flag, in the graph
@@ -387,6 +441,7 @@ def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
         # The state guard wraps a step once: the keeping wrapper says whether what it wraps
         # is guarded already (`_adoption`), so a later adoption does not guard it twice.
         keeping_step.tfmixprec_guarded = getattr(step, "tfmixprec_guarded", False)
+        setattr(keeping_step, STEP_COMPILES_ITSELF, True)
         keeping_step.__wrapped__ = step
         return keeping_step
 

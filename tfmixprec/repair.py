@@ -36,6 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._fit_reader import FitReader
+from tfmixprec._keras_compat import make_train_function
 from tfmixprec._layers import compiled_loss, iter_layers, mark_float32
 from tfmixprec._text import docs_page
 from tfmixprec._validate import check_int_at_least_one
@@ -266,7 +267,7 @@ class PrecisionRepair(keras.callbacks.Callback):
             mark_float32(self.model, {layer: reason for layer in judgment.layers})
             if judgment.loss_scale > 0:
                 self._reader.optimizer.restart_at(judgment.loss_scale)
-            self.model.make_train_function(force=True)
+            make_train_function(self.model)
             self.repairs.append(judgment)
             _record(self.model, judgment)
             if not recorded:  # last: a warning turned error leaves nothing half-done

@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec._keras_compat import loss_tracker_count, update_each_copy
+from tfmixprec._keras_compat import STEP_COMPILES_ITSELF, loss_tracker_count, update_each_copy
 from tfmixprec.loss_scale import read_now
 
 __all__ = ["guard_state"]
@@ -143,6 +143,8 @@ def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[An
 
     guarded.tfmixprec_guarded = True  # wrapped once
     guarded.__wrapped__ = step  # the step it guards (the user's own, if they set one)
+    # A batch keeper's step inside compiles itself with XLA: so is it built (`_keras_compat`).
+    setattr(guarded, STEP_COMPILES_ITSELF, getattr(step, STEP_COMPILES_ITSELF, False))
     return guarded
 
 

@@ -339,6 +339,17 @@ PURPOSES = {
     "unscaled_record": "reads the unscaling record (get_unscaled_gradients)",
 }
 _FUNCTION_ATTRS = ("f", "then_branch", "else_branch", "body", "cond", "branches")
+# A predicate computed from tensor shapes alone needs no device value: TensorFlow knows a
+# tensor's shape on the host once the op that makes it is launched. Shape ops end the walk.
+_SHAPES = frozenset({"Shape", "ShapeN", "VariableShape", "Size", "Rank", "Const"})
+_ON_SHAPES = frozenset(
+    {
+        "Identity", "StridedSlice", "Slice", "Pack", "ConcatV2", "Reshape", "Cast",
+        "Sub", "Add", "AddV2", "Maximum", "Minimum", "Max", "Min", "Sum",
+        "Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual",
+        "LogicalAnd", "LogicalOr", "LogicalNot",
+    }
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +375,11 @@ def host_waits(model: Any) -> tuple[HostWait, ...]:
     Keras traced last that need a device value on the host, outside XLA clusters.
 
     Call it after a `fit` (the train function is traced then). Conditionals and loops inside
-    an XLA-compiled function (`jit_compile=True`) stay on the device and are not listed.
+    an XLA-compiled function (`jit_compile=True`) stay on the device and are not listed, nor is
+    a conditional whose predicate is computed from tensor shapes alone (the host knows a
+    tensor's shape without waiting for its value; tfmixprec's batch keeper grows its rows
+    that way). With `steps_per_execution > 1`, the ops of every step the execution unrolls
+    are listed.
 
     Args:
         model: `keras.Model`. A model that has run `fit` (not with `run_eagerly=True`).
@@ -403,12 +418,13 @@ class _Walk:
         self.library, self.optimizer, self.found = library, optimizer, []
 
     def nodes(self, nodes: Any, path: str, xla: bool, parent: str) -> None:
+        by_name = {node.name: node for node in nodes}
         for node in nodes:
             attrs = node.attr
             compiled = xla or ("_XlaMustCompile" in attrs and attrs["_XlaMustCompile"].b)
             where = f"{path}/{node.name}"
             purpose = parent
-            if not compiled and _waits(node):
+            if not compiled and _waits(node) and not _decided_by_shapes(node, by_name):
                 purpose = self.purpose(node, parent)
                 kind = HOST_WAIT_OPS[node.op]
                 self.found.append(HostWait(node.op, kind, where.lstrip("/"), purpose))
@@ -439,6 +455,29 @@ class _Walk:
             for node in function.node_def
             for part in node.name.split("/")
         )
+
+
+def _decided_by_shapes(node: Any, by_name: dict[str, Any]) -> bool:
+    """Whether a conditional's predicate is computed from tensor shapes alone."""
+    if HOST_WAIT_OPS.get(node.op) != "conditional":
+        return False
+    todo, seen = [_data_inputs(node)[0]], set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        source = by_name.get(name)
+        if source is None or not (source.op in _SHAPES or source.op in _ON_SHAPES):
+            return False  # a function argument, or an op on values
+        if source.op in _ON_SHAPES:
+            todo += _data_inputs(source)
+    return True
+
+
+def _data_inputs(node: Any) -> list[str]:
+    """The names of the nodes a node's data inputs come from (`node:output:index`)."""
+    return [i.split(":")[0] for i in node.input if not i.startswith("^")]
 
 
 def _waits(node: Any) -> bool:
