@@ -52,8 +52,9 @@ def test_under_two_replicas_too(two_cpu_strategy):
 
 
 def test_a_host_wait_is_found_where_one_is_added():
-    """The walk is not blind: a `py_function` or a `cond` added to the step shows, with what
-    it is, and inside an XLA-compiled step a `cond` is not listed."""
+    """The walk is not blind: a `py_function` or a `cond` on a value added to the step shows,
+    with what it is; a `cond` decided by shapes alone, or inside an XLA-compiled step, is not
+    listed."""
     seen = []
 
     class Watched(keras.Model):
@@ -61,6 +62,8 @@ def test_a_host_wait_is_found_where_one_is_added():
             logs = super().train_step(data)
             tf.py_function(lambda: seen.append(1), [], Tout=[])
             tf.cond(logs["loss"] > 1e9, lambda: tf.constant(1.0), lambda: tf.constant(0.0))
+            rows = tf.shape(data[0])[0]  # known on the host without the device
+            tf.cond(rows > 2, lambda: tf.constant(1.0), lambda: tf.constant(0.0))
             return logs
 
     def build(jit_compile):
