@@ -1,8 +1,8 @@
 """The batches of overflow steps, kept on the device from inside the training step.
 
 `explain_overflow` (the callbacks' `diagnose=`) and `PrecisionRepair` replay the batch of an
-overflow step after it ran. The step keeps it where XLA can compile it and the host waits for
-nothing: in variables, never with a conditional or a host copy.
+overflow step after it ran. The step keeps it in variables on the device, where the host
+waits for nothing: no host copy, and no branch on a device value.
 
 - Each tensor of the batch `(x, y, sample_weight)` has one variable of rows: the batches of the
   first `limit` overflow steps since the keeper was (re)started, then, where asked for

@@ -155,8 +155,8 @@ class UnscaleLedger:
         self.scaled_fingerprint = replica_variable(0.0, "scaled_fingerprint")
         self.unscaled_fingerprint = replica_variable(0.0, "unscaled_fingerprint")
         self.marks: tf.Variable | None = None  # one int per variable, made by `build`
-        # While tracing: the graphs where `clear` ran and no `record` since, with the number
-        # of ops the graph had then and the threads (one a replica) that cleared.
+        # While tracing: the graphs where `clear` ran and no `record` since, each with the
+        # threads (one a replica) that cleared and the number of ops the graph had then.
         self._cleared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def build(self, num_variables: int) -> None:
@@ -219,18 +219,17 @@ class UnscaleLedger:
         self.has_record.assign(0)
         if not tf.executing_eagerly():
             graph = tf.compat.v1.get_default_graph()
-            ops, threads = self._cleared.get(graph, (len(graph.get_operations()), set()))
-            self._cleared[graph] = (ops, threads | {threading.get_ident()})
+            cleared = self._cleared.setdefault(graph, {})
+            cleared[threading.get_ident()] = len(graph.get_operations())  # its latest clear
 
     def _nothing_recorded(self) -> bool:
         """While tracing: whether this graph, in this thread, cleared the record and nothing
         since could have recorded (`_RUNS_OTHER_CODE`), so nothing is recorded now."""
         graph = tf.compat.v1.get_default_graph()
-        cleared = self._cleared.get(graph)
-        if cleared is None or threading.get_ident() not in cleared[1]:
+        first = self._cleared.get(graph, {}).get(threading.get_ident())
+        if first is None:
             return False
-        since = graph.get_operations()[cleared[0] :]
-        return not any(op.type in _RUNS_OTHER_CODE for op in since)
+        return not any(op.type in _RUNS_OTHER_CODE for op in graph.get_operations()[first:])
 
     def unscale_for_apply(
         self,
