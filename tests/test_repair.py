@@ -54,7 +54,6 @@ def _fit(model, repair, epochs=2, data=None, **kwargs):
         ("keras", "auto"),  # Keras's default: XLA on a GPU (none on a CPU)
         ("mixed_precision_model", "auto"),
         ("keras", True),  # XLA: the same repair at the same step
-        ("mixed_precision_model", True),
     ],
 )
 def test_the_repair_comes_at_the_fifth_overflow_in_the_right_layers(kind, jit_compile, capsys):
