@@ -9,7 +9,17 @@ import tfmixprec
 
 PACKAGE = Path(tfmixprec.__file__).resolve().parent
 ENTRY = PACKAGE.parent / "_tfmixprec_cli.py"  # the console script's module, outside the package
-MAX_FUNCTION_LINES, MAX_CLASS_LINES = 40, 200  # docstrings not counted
+MAX_FUNCTION_LINES = 40  # docstrings not counted
+MAX_MODULE_LINES = 600
+# Modules longer than MAX_MODULE_LINES, each with the one concern it holds: a long module is
+# allowed only for a concern that does not split (a module that mixes concerns is split).
+ONE_LONG_CONCERN = {
+    "optimizer": "the optimizer class Keras sees: knobs, state variables, step, saving",
+    "loss_scale": "the loss-scale state machine: config, state, transition, scale and check",
+    "bench": "timing one model under each policy, side by side in one process",
+}
+# Long modules that mix concerns, listed until the restructuring of issue 38 splits them.
+TO_SPLIT = {"_keras_compat", "audit", "calibration", "diagnosis", "float8"}
 
 
 def test_public_api_names_import():
@@ -26,6 +36,26 @@ def _modules():
     return {path.stem: ast.parse(path.read_text()) for path in sorted(PACKAGE.glob("*.py"))}
 
 
+def _declared_all(tree):
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(getattr(t, "id", None) == "__all__" for t in targets):
+                return ast.literal_eval(node.value)
+    return None
+
+
+def test_private_modules_export_nothing():
+    """A private module's names are shared inside the package, never exported: its `__all__`
+    is empty (a `from tfmixprec._x import *` gives nothing)."""
+    exporting = {
+        name: _declared_all(tree)
+        for name, tree in _modules().items()
+        if name.startswith("_") and not name.startswith("__") and name != "_version"
+    }
+    assert {name: names for name, names in exporting.items() if names != []} == {}
+
+
 def test_every_module_exports_only_what_the_package_exports():
     exported = set(tfmixprec.__all__)
     for name, tree in _modules().items():
@@ -38,12 +68,8 @@ def test_every_module_exports_only_what_the_package_exports():
             "zoo",
         ):
             continue
-        for node in tree.body:
-            if isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                if any(getattr(t, "id", None) == "__all__" for t in targets):
-                    listed = set(ast.literal_eval(node.value))
-                    assert listed <= exported, (name, sorted(listed - exported))
+        listed = set(_declared_all(tree) or ())
+        assert listed <= exported, (name, sorted(listed - exported))
 
 
 def _imports(tree):
@@ -106,7 +132,7 @@ def _body_lines(node):
     return node.end_lineno - node.lineno + 1 - doc
 
 
-def test_functions_and_classes_stay_small():
+def test_functions_stay_small():
     too_big = []
     modules = dict(_modules(), _tfmixprec_cli=ast.parse(ENTRY.read_text()))
     for name, tree in modules.items():
@@ -114,9 +140,17 @@ def test_functions_and_classes_stay_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 if _body_lines(node) > MAX_FUNCTION_LINES:
                     too_big.append(f"{name}.{node.name}: {_body_lines(node)} lines")
-            elif isinstance(node, ast.ClassDef) and _body_lines(node) > MAX_CLASS_LINES:
-                too_big.append(f"{name}.{node.name}: {_body_lines(node)} lines")
     assert too_big == []
+
+
+def test_one_concern_per_module():
+    """A module over MAX_MODULE_LINES holds one concern that does not split, named in
+    ONE_LONG_CONCERN; the long modules that mix concerns are in TO_SPLIT until split."""
+    lengths = {p.stem: len(p.read_text().splitlines()) for p in PACKAGE.glob("*.py")}
+    long = {name for name, lines in lengths.items() if lines > MAX_MODULE_LINES}
+    assert long - set(ONE_LONG_CONCERN) - TO_SPLIT == set(), {n: lengths[n] for n in long}
+    # A listed module that is short again, or split away, comes off its list.
+    assert (set(ONE_LONG_CONCERN) | TO_SPLIT) - long == set()
 
 
 ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"

@@ -12,7 +12,7 @@ from typing import Any
 
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 
-__all__ = ["cpu_only", "route", "route_of", "unroute"]
+__all__: list[str] = []  # private module: nothing here is part of the package's API
 
 _ROUTE = "_tfmixprec_cpu_route"  # on a routed layer instance: the route's name
 _REPLACED = "_tfmixprec_cpu_route_replaces"  # and the method it replaced

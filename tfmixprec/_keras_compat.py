@@ -36,42 +36,7 @@ from tensorflow.python.ops.control_flow_util import (
     GraphOrParentsInXlaContext as _xla_context,
 )
 
-__all__ = [
-    "ARCHIVE_CONFIG",
-    "ARCHIVE_WEIGHTS",
-    "Functional",
-    "KerasLossScaleHooks",
-    "REVERSIBLE_EMBEDDING",
-    "STEP_COMPILES_ITSELF",
-    "MultiWorkerFit",
-    "across_workers",
-    "all_sublayers",
-    "build_shapes",
-    "call_losses",
-    "compute_dtype_reverse_call",
-    "built_variables",
-    "float32_attention",
-    "float32_convolution_call",
-    "float32_product_call",
-    "functional_init_arguments",
-    "in_xla_context",
-    "loss_tracker_count",
-    "make_train_function",
-    "no_automatic_dependency_tracking",
-    "producing_layer",
-    "producing_output_index",
-    "replace_train_step",
-    "reverse_called",
-    "set_call_losses",
-    "saved_optimizer_wrapped",
-    "set_compiled_optimizer",
-    "tensorboard_log_dir",
-    "tensorboard_batch_work",
-    "tensorboard_step",
-    "tensorboard_writer",
-    "traced_train_functions",
-    "update_each_copy",
-]
+__all__: list[str] = []  # private module: nothing here is part of the package's API
 
 
 def all_sublayers(model: Any) -> list[Any]:

@@ -8,6 +8,8 @@ from typing import Any
 
 from tfmixprec._dtypes import FLOAT32_MAX, FLOAT32_TINY
 
+__all__: list[str] = []  # private module: nothing here is part of the package's API
+
 
 def check_bool(name: str, value: Any) -> bool:
     """Returns `value` if it is True or False; anything else (1, "yes") is a `TypeError`, as

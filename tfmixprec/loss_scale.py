@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -226,22 +226,64 @@ def nonfinite_flags(evidence: tf.Tensor, dtype: Any = tf.int32) -> tf.Tensor:
     return tf.cast(tf.logical_not(tf.math.is_finite(evidence)), dtype)
 
 
+class LossScaleState(NamedTuple):
+    """The loss-scale state as values: one field a variable of `LossScale`, under the name
+    `next_state` reads and returns (`STATE_FIELDS`).
+
+    Each field is a tensor (or, when the state is read from `LossScale`, a value read at that
+    point of the step). The counters are integers of one dtype (the optimizer's: int64 in
+    Keras); `scale` and `last_overflow_scale` are float32.
+    """
+
+    scale: tf.Tensor  # float32 scalar: the loss scale
+    good_steps: tf.Tensor  # clean steps since the scale last grew (or was backed off)
+    hysteresis_tracker: tf.Tensor  # overflows left before the scale backs off
+    overflow_steps: tf.Tensor  # skipped steps, in all
+    consecutive_overflows: tf.Tensor  # skipped steps in a row, now
+    last_overflow_iteration: tf.Tensor  # applied steps before the last skip (-1: none)
+    min_scale_overflow_iteration: tf.Tensor  # step of the first overflow at min_scale (-1)
+    last_overflow_scale: tf.Tensor  # float32: the scale the last overflow used (0: none)
+    min_scale_overflows: tf.Tensor  # overflow steps at min_scale since the scale last grew
+    longest_overflow_run: tf.Tensor  # since `reset_longest_overflow_run`
+    # One entry a variable (None before `LossScale.build`): the overflow steps its gradient
+    # was not finite in, and the last such step (-1: never).
+    nonfinite_steps: tf.Tensor | None = None
+    last_nonfinite_step: tf.Tensor | None = None
+
+
 # The loss-scale state, by the names `next_state` reads and returns (the variables of
 # `LossScale`; `nonfinite_steps` and `last_nonfinite_step` hold one entry a variable).
-STATE_FIELDS = (
-    "scale",
-    "good_steps",
-    "hysteresis_tracker",
-    "overflow_steps",
-    "consecutive_overflows",
-    "last_overflow_iteration",
-    "min_scale_overflow_iteration",
-    "last_overflow_scale",
-    "min_scale_overflows",
-    "longest_overflow_run",
-    "nonfinite_steps",
-    "last_nonfinite_step",
-)
+STATE_FIELDS = LossScaleState._fields
+
+
+def initial_state(
+    config: LossScaleConfig, num_variables: int | None = None, dtype: Any = tf.int64
+) -> LossScaleState:
+    """The state a new `LossScale` starts in, as constant tensors (counters of `dtype`).
+    With `num_variables`, the per-variable attribution fields too."""
+
+    def count(value: int, shape: Any = ()) -> tf.Tensor:
+        return tf.fill(shape, tf.constant(value, dtype))
+
+    vectors = {}
+    if num_variables is not None:
+        vectors = {
+            "nonfinite_steps": count(0, [num_variables]),
+            "last_nonfinite_step": count(-1, [num_variables]),
+        }
+    return LossScaleState(
+        scale=tf.constant(config.initial_scale, tf.float32),
+        good_steps=count(0),
+        hysteresis_tracker=count(config.hysteresis),
+        overflow_steps=count(0),
+        consecutive_overflows=count(0),
+        last_overflow_iteration=count(-1),
+        min_scale_overflow_iteration=count(-1),
+        last_overflow_scale=tf.constant(0.0, tf.float32),
+        min_scale_overflows=count(0),
+        longest_overflow_run=count(0),
+        **vectors,
+    )
 
 
 def step_number(iterations: Any, overflow_steps: Any) -> tf.Tensor:
@@ -253,49 +295,81 @@ def step_number(iterations: Any, overflow_steps: Any) -> tf.Tensor:
 
 def next_state(
     config: LossScaleConfig,
-    state: Any,
+    state: LossScaleState,
     finite: bool,
     iteration: Any,
     nonfinite: Any = None,
-) -> dict[str, tf.Tensor]:
+) -> LossScaleState:
     """The loss-scale transition after one step, as a pure function of values.
 
-    After a finite step the clean-step counter goes up; a dynamic scale grows by
-    `growth_factor` (up to `max_scale`) once it reaches `growth_interval`, which also restarts
-    the counts kept "since the scale last grew". After an overflow the step is counted
-    (total, run, the longest run, at `min_scale`), and a dynamic scale backs off by
-    `backoff_factor` (down to `min_scale`) once `hysteresis` overflows were seen since it last
-    grew.
+    In pseudocode (`config`'s knobs by name; `step` is the step's 0-based number, skipped
+    steps counted: `iteration + overflow_steps`):
+
+        if finite:
+            consecutive_overflows = 0
+            good_steps += 1
+            if dynamic and good_steps >= growth_interval:       # grow
+                scale = min(scale * growth_factor, max_scale)
+                good_steps = 0
+                min_scale_overflows = 0
+                hysteresis_tracker = hysteresis
+        else:                                                   # the step was skipped
+            last_overflow_scale = scale
+            overflow_steps += 1
+            consecutive_overflows += 1
+            longest_overflow_run = max(longest_overflow_run, consecutive_overflows)
+            last_overflow_iteration = iteration
+            good_steps = 0
+            for each variable v whose gradient was not finite (nonfinite[v] == 1):
+                nonfinite_steps[v] += 1
+                last_nonfinite_step[v] = step
+            if dynamic:
+                if scale <= min_scale:                          # `on_min_scale` reads these
+                    min_scale_overflows += 1
+                    if min_scale_overflow_iteration < 0:
+                        min_scale_overflow_iteration = step
+                hysteresis_tracker = max(hysteresis_tracker - 1, 0)
+                if hysteresis_tracker == 0:                     # back off
+                    scale = max(scale * backoff_factor, min_scale)
+
+    A fixed scale (`dynamic=False`) never changes; its steps are still counted. The branches
+    on values (`grow`, `scale <= min_scale`, ...) are `tf.where` selects, not conditionals:
+    the state is made of mirrored variables whose replica writes would need a `merge_call`,
+    which a `cond` branch in replica context may not make.
 
     Args:
         config: `LossScaleConfig`.
-        state: Mapping from the names in `STATE_FIELDS` to scalar tensors (vectors for the
-            two per-variable fields); only the fields the transition needs are read.
-        finite: Bool. Whether the step's gradients were finite.
+        state: `LossScaleState`. The state before the step.
+        finite: Python bool. Whether the step's gradients were finite (the caller branches
+            on a tensor: `LossScale.adjust`).
         iteration: Int tensor. Applied steps before this step (the optimizer's `iterations`).
         nonfinite: Int vector or None. After an overflow, 1 for each variable whose gradient
             was not finite (`nonfinite_flags`), counted against it; None counts nothing.
 
     Returns:
-        Dict of the fields that change, name -> new value.
+        `LossScaleState`. A field the step leaves alone is `state`'s own object (`is`), so a
+        caller assigns only the fields that changed.
     """
+    if not isinstance(finite, bool):
+        raise TypeError(
+            "next_state takes finite as a Python bool (branch on a tensor with tf.cond, as "
+            f"LossScale.adjust does). Received: finite={finite!r}"
+        )
     if finite:
-        return _after_finite(config, state)
-    return _after_overflow(config, state, iteration, nonfinite)
+        return state._replace(**_after_finite(config, state))
+    return state._replace(**_after_overflow(config, state, iteration, nonfinite))
 
 
-def _after_finite(config: LossScaleConfig, state: Any) -> dict[str, tf.Tensor]:
+def _after_finite(config: LossScaleConfig, state: LossScaleState) -> dict[str, tf.Tensor]:
     """A clean step: the run of overflows ends; the scale grows every `growth_interval`."""
-    new = {"consecutive_overflows": tf.zeros_like(state["consecutive_overflows"])}
-    counter = state["good_steps"] + 1
+    new = {"consecutive_overflows": tf.zeros_like(state.consecutive_overflows)}
+    counter = state.good_steps + 1
     if not config.dynamic:
         return {**new, "good_steps": counter}
-    # `where`s, not a `cond`: these are mirrored variables whose replica writes would need a
-    # `merge_call`, which a `cond` branch in replica context may not make.
     grow = counter >= config.growth_interval
-    scale = state["scale"]
+    scale = state.scale
     grown = tf.minimum(scale * config.growth_factor, config.max_scale)
-    at_min, tracker = state["min_scale_overflows"], state["hysteresis_tracker"]
+    at_min, tracker = state.min_scale_overflows, state.hysteresis_tracker
     return {
         **new,
         "scale": tf.where(grow, grown, scale),
@@ -308,57 +382,41 @@ def _after_finite(config: LossScaleConfig, state: Any) -> dict[str, tf.Tensor]:
 
 
 def _after_overflow(
-    config: LossScaleConfig, state: Any, iteration: Any, nonfinite: Any
+    config: LossScaleConfig, state: LossScaleState, iteration: Any, nonfinite: Any
 ) -> dict[str, tf.Tensor]:
     """An overflow step: counted, attributed to the variables whose gradients were not finite,
     and (dynamic scale) the scale backs off once `hysteresis` overflows were seen."""
-    overflows = state["overflow_steps"]
+    overflows = state.overflow_steps
     iteration = tf.cast(iteration, overflows.dtype)
     this_step = step_number(iteration, overflows)
-    run = state["consecutive_overflows"] + 1
+    run = state.consecutive_overflows + 1
     new = {
-        "last_overflow_scale": state["scale"],
+        "last_overflow_scale": state.scale,
         "overflow_steps": overflows + 1,
         "consecutive_overflows": run,
-        "longest_overflow_run": tf.maximum(state["longest_overflow_run"], run),
+        "longest_overflow_run": tf.maximum(state.longest_overflow_run, run),
         "last_overflow_iteration": iteration,
-        "good_steps": tf.zeros_like(state["good_steps"]),
+        "good_steps": tf.zeros_like(state.good_steps),
     }
-    if nonfinite is not None:
-        new["nonfinite_steps"] = state["nonfinite_steps"] + nonfinite
-        new["last_nonfinite_step"] = tf.where(
-            nonfinite > 0, this_step, state["last_nonfinite_step"]
-        )
+    if nonfinite is not None and state.nonfinite_steps is not None:
+        nonfinite = tf.cast(nonfinite, state.nonfinite_steps.dtype)
+        new["nonfinite_steps"] = state.nonfinite_steps + nonfinite
+        new["last_nonfinite_step"] = tf.where(nonfinite > 0, this_step, state.last_nonfinite_step)
     if not config.dynamic:
         return new
-    scale, at_min = state["scale"], state["min_scale_overflows"]
-    first_at_min = tf.logical_and(
-        scale <= config.min_scale, state["min_scale_overflow_iteration"] < 0
-    )
-    tracker = tf.maximum(state["hysteresis_tracker"] - 1, 0)
+    scale, at_min = state.scale, state.min_scale_overflows
+    first_at_min = tf.logical_and(scale <= config.min_scale, state.min_scale_overflow_iteration < 0)
+    tracker = tf.maximum(state.hysteresis_tracker - 1, 0)
     backed_off = tf.maximum(scale * config.backoff_factor, config.min_scale)
     return {
         **new,
         "min_scale_overflow_iteration": tf.where(
-            first_at_min, this_step, state["min_scale_overflow_iteration"]
+            first_at_min, this_step, state.min_scale_overflow_iteration
         ),
         "min_scale_overflows": tf.where(scale <= config.min_scale, at_min + 1, at_min),
         "hysteresis_tracker": tracker,
         "scale": tf.where(tf.equal(tracker, 0), backed_off, scale),
     }
-
-
-class _Reads(dict):
-    """The state variables' values, each read (`read_now`) the first time it is asked for,
-    so a transition reads only what it uses."""
-
-    def __init__(self, variables: dict[str, Any]) -> None:
-        super().__init__()
-        self._variables = variables
-
-    def __missing__(self, name: str) -> tf.Tensor:
-        value = self[name] = read_now(self._variables[name])
-        return value
 
 
 class LossScale(tf.Module):
@@ -500,9 +558,19 @@ class LossScale(tf.Module):
         flags = None
         if not finite and evidence is not None and self.nonfinite_steps is not None:
             flags = nonfinite_flags(evidence, self.overflow_steps.dtype)
-        state = _Reads(self.variables_by_name())
-        for name, value in next_state(self.config, state, finite, iteration, flags).items():
-            self.variables_by_name()[name].assign(value)
+        state = self.state_now()
+        new = next_state(self.config, state, finite, iteration, flags)
+        variables = self.variables_by_name()
+        for name, before, after in zip(STATE_FIELDS, state, new):
+            if after is not before:  # only the fields the step changed
+                variables[name].assign(after)
+
+    def state_now(self) -> LossScaleState:
+        """The state variables' values, read at this point of the step (`read_now`)."""
+        variables = self.variables_by_name()
+        return LossScaleState(
+            **{name: read_now(variables[name]) for name in STATE_FIELDS if name in variables}
+        )
 
     def variables_by_name(self) -> dict[str, Any]:
         """The state variables under the names `next_state` uses (`STATE_FIELDS`)."""

@@ -8,7 +8,6 @@ the unit's transition. All state is variables; nothing that decides a step is Py
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -173,240 +172,8 @@ def _config(
     )
 
 
-def _knob(name: str) -> property:
-    return property(lambda self: getattr(self.loss_scale_config, name), doc=f"`{name}`.")
-
-
-def _state(name: str, doc: str) -> property:
-    return property(lambda self: getattr(self._loss_scale, name), doc=doc)
-
-
-# The loss-scale state variables under their public names (one name each; `loss_scale` is
-# `LossScale.scale_variable`), and the names Keras's and TF 2's optimizers give two of them
-# (`dynamic_scale`, `step_counter`: Keras's own code and checkpoints use them on this
-# subclass; `dynamic_counter`: TF 2 code reads it).
-_STATE_DOCS = {
-    "scale_variable": ("loss_scale", "The scale."),
-    "good_steps": ("good_steps", "Clean steps since the scale last grew or backed off."),
-    "hysteresis_tracker": ("hysteresis_tracker", "Overflows left before the scale backs off."),
-    "overflow_steps": ("overflow_steps", "Skipped steps, in all."),
-    "consecutive_overflows": ("consecutive_overflows", "Skipped steps in a row, now."),
-    "last_overflow_iteration": ("last_overflow_iteration", "Applied steps at the last skip."),
-    "last_overflow_scale": ("last_overflow_scale", "The scale the last overflow used."),
-    "min_scale_overflows": (
-        "min_scale_overflows",
-        "Overflow steps at `min_scale` since the scale last grew.",
-    ),
-    "longest_overflow_run": (
-        "longest_overflow_run",
-        "The longest run of consecutive overflow steps since `reset_longest_overflow_run()`.",
-    ),
-}
-_OTHER_NAMES = {
-    "dynamic_scale": "loss_scale",
-    "step_counter": "good_steps",
-    "dynamic_counter": "good_steps",
-}
-
-
-class _LossScaleReadout:
-    """What readers of a `LossScaleOptimizer` see: the knobs, the state variables, the
-    snapshot and host reads, the overflow attribution and the `min_scale` report. It reads
-    only; the writes outside the step (resets, saving, loading) are `_LossScaleUpkeep`'s."""
-
-    loss_scale_config: LossScaleConfig
-    _loss_scale: LossScale
-    # Properties set below the class: the knobs (`min_scale`, `dynamic`, ...: the config's),
-    # the state variables (`_STATE_DOCS`) and their other names (`_OTHER_NAMES`).
-
-    def last_overflow_step(self) -> tf.Tensor:
-        """The last overflow step (0-based, skipped steps counted; -1: none), read in the
-        graph."""
-        return self._loss_scale.step_numbers(self.iterations)["last_overflow_step"]
-
-    def snapshot(self) -> dict[str, tf.Tensor]:
-        """The loss-scale values for logs, read in the graph (no host sync; after `apply`
-        they include that step). See `LossScale.snapshot`. With accumulation only the
-        micro-batch that ends a window can be an overflow step: `overflow` is 0 inside one."""
-        values = self._loss_scale.log_values(self.iterations)
-        values["overflow"] = tf.cast(self.skipped(), tf.float32)
-        return values
-
-    def skipped(self) -> tf.Tensor:
-        """Whether the step that just ran was skipped (a scalar bool, read in the graph):
-        after `apply`, its gradients were not finite. With accumulation only the micro-batch
-        that ends a window can be skipped."""
-        skipped = read_now(self._loss_scale.consecutive_overflows) > 0
-        if self._accumulator is not None:
-            ended = tf.equal(read_now(self._accumulator.micro_step), 0)
-            skipped = tf.logical_and(skipped, ended)
-        return skipped
-
-    def read_state(self) -> dict[str, float | int]:
-        """Reads the whole scale state to the host as Python numbers (also under strategies).
-
-        Call it outside the step (callbacks do, at their logging interval).
-
-        Returns:
-            Dict keyed by `STATE_NAMES`: `loss_scale` (a float) and the integer counters,
-            and the step numbers of `LossScale.snapshot`: `step` (steps attempted so far,
-            skipped ones counted) and `last_overflow_step` (-1: none).
-        """
-        state = {name: getattr(self, name).numpy().item() for name in STATE_NAMES}
-        numbers = self._loss_scale.step_numbers(self.iterations)
-        state.update({key: int(value.numpy()) for key, value in numbers.items()})
-        return {**state, "loss_scale": float(state["loss_scale"])}
-
-    # ------------------------------------------------------------ overflow attribution
-    def overflow_sources(self) -> tuple[list[Any], list[int], list[int]]:
-        """Per variable (in the optimizer's order), the overflow steps its gradient was not
-        finite in and the last one (-1: never): host reads, for `overflow_report`."""
-        if self._loss_scale.nonfinite_steps is None:  # not built yet
-            return [], [], []
-        counts = self._loss_scale.nonfinite_steps.numpy().tolist()
-        last_steps = self._loss_scale.last_nonfinite_step.numpy().tolist()
-        return self.tracked_variables(), counts, last_steps
-
-    def overflow_scale(self) -> float:
-        """The scale the last step used if it overflowed (before the backoff), else the
-        current scale: the scale to replay a bad batch at (`tfmixprec.explain_overflow`)."""
-        last = float(self._loss_scale.last_overflow_scale.numpy())
-        if int(self.consecutive_overflows.numpy()) > 0 and last > 0:  # 0: not recorded
-            return last
-        return float(self.loss_scale.numpy())
-
-    def overflow_report(self, model: keras.Model | None = None) -> OverflowReport:
-        """Per layer, the overflow steps its gradients took part in: layers named by `model`,
-        or by their variables' paths (`tfmixprec.overflow_report(model)` passes the model)."""
-        overflows = int(self.overflow_steps.numpy())
-        last = int(self.last_overflow_step().numpy()) if overflows else -1
-        return build_report(*self.overflow_sources(), overflows, last, model)
-
-    # ------------------------------------------------------------ reporting
-    def check_min_scale(self) -> None:
-        """Warns or raises (per `on_min_scale`) if a step overflowed at `min_scale`.
-
-        Reads one variable, so call it outside the step. It runs on its own after every eager
-        step, at the end of `fit`, every 50 batches of a `MixedPrecisionModel`'s `fit`, and at
-        the logging interval of `LossScaleMonitor` and `OverflowGuard`.
-
-        Raises:
-            FloatingPointError: With `on_min_scale="raise"`, naming the step.
-        """
-        if self.on_min_scale == "ignore" or self._min_scale_reported:
-            return
-        message = min_scale_report(self._loss_scale)
-        if message is None:
-            return
-        self._min_scale_reported = True
-        if self.on_min_scale == "raise":
-            raise FloatingPointError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-
-    def get_config(self) -> dict[str, Any]:
-        """Every knob (Keras's key `dynamic_growth_steps` for the interval) and the inner
-        optimizer, serialized."""
-        inner = keras.saving.serialize_keras_object(self.inner_optimizer)
-        config = {"name": self.name, "inner_optimizer": inner}
-        return {**config, **{key: getattr(self, key) for key in CONFIG_NAMES}}
-
-
-# Every field of the config but `initial_scale`, which Keras's optimizer keeps as an attribute.
-_KNOBS = tuple(f.name for f in dataclasses.fields(LossScaleConfig) if f.name != "initial_scale")
-for _name in _KNOBS:
-    setattr(_LossScaleReadout, _name, _knob(_name))
-for _attr, (_name, _doc) in _STATE_DOCS.items():
-    setattr(_LossScaleReadout, _name, _state(_attr, _doc))
-for _name, _same in _OTHER_NAMES.items():
-    setattr(_LossScaleReadout, _name, getattr(_LossScaleReadout, _same))
-del _name, _attr, _doc, _same
-
-
-class _LossScaleUpkeep:
-    """The writes to a `LossScaleOptimizer`'s state outside the step: resetting the longest
-    overflow run, the end of a `fit` (a partly summed accumulation window), saving and loading
-    the state by name."""
-
-    def reset_longest_overflow_run(self) -> None:
-        """Starts `longest_overflow_run` from 0 again (outside the step; `OverflowGuard` calls
-        it at `on_train_begin`, then reads the longest run at each check)."""
-        reset_longest_overflow_run(self._loss_scale)
-
-    def start_at(self, scale: float) -> None:
-        """Before the first step, starts the scale at `scale` (`CalibrationReport.apply`):
-        the scale and `initial_scale` in the config.
-
-        Raises:
-            ValueError: If `scale` is not a valid `initial_scale` for the bounds.
-        """
-        self._loss_scale.start_at(scale)
-        self.loss_scale_config = self._loss_scale.config
-        self.initial_scale = self.loss_scale_config.initial_scale  # Keras's attribute
-
-    def restart_at(self, scale: float) -> None:
-        """After `PrecisionRepair` moved layers to float32, between steps: the scale at `scale`
-        (clipped to the bounds) and the growth and `min_scale` counts from the start (so the
-        end of `fit` does not report an overflow at `min_scale` the repair fixed)."""
-        self._loss_scale.restart_at(scale)
-        self._min_scale_reported = False
-
-    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
-        """Called by Keras at the end of `fit`; also reports a `min_scale` overflow and a
-        gradient accumulation window the `fit` left partly summed."""
-        super().finalize_variable_values(var_list)
-        self.check_min_scale()
-        summed = int(self._accumulator.micro_step.numpy()) if self._accumulator else 0
-        if summed:
-            warnings.warn(
-                f"fit ended inside a gradient accumulation window: {summed} of "
-                f"{self.accumulation_steps} micro-batches are summed, and the next fit's "
-                "first window counts them (its first applied step covers them). Make the "
-                "steps of a fit a multiple of accumulation_steps, or call "
-                "optimizer.discard_partial_window() to drop them. "
-                f"{docs_page('guides/fit-and-callbacks')}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-    def discard_partial_window(self) -> int:
-        """Drops the micro-batches summed so far in the current accumulation window (call it
-        outside the step, e.g. after a `fit`).
-
-        Returns:
-            How many micro-batches were dropped (0 without accumulation).
-        """
-        if self._accumulator is None:
-            return 0
-        summed = int(self._accumulator.micro_step.numpy())
-        self._accumulator.clear()
-        return summed
-
-    # ------------------------------------------------------------ serialization
-    def save_own_variables(self, store: Any) -> None:
-        """Writes the state for a `.keras` / `.weights.h5` file: tfmixprec's own variables by
-        name, with a format version (see `tfmixprec._state_file`), the inner optimizer's by
-        position."""
-        save(*self._own_and_inner(), store, self._trained())
-
-    def load_own_variables(self, store: Any) -> None:
-        """Reads a file's state: by name; a file from tfmixprec 0.1 to 0.3 (by position)
-        through the layout of the release that wrote it (what it lacks starts fresh). A file
-        whose state does not fit this optimizer is refused with a `ValueError` before
-        anything is assigned."""
-        load(*self._own_and_inner(), store, f"optimizer {self.name!r}", self._trained())
-
-    def _trained(self) -> list[Any]:
-        """The variables it was built with (none before it is built)."""
-        return self.tracked_variables() if self.built else []
-
-    def _own_and_inner(self) -> tuple[list[Any], list[Any]]:
-        inner = list(self.inner_optimizer.variables)
-        everything = list(self.variables)  # its own, then the inner optimizer's
-        return everything[: len(everything) - len(inner)], inner
-
-
 @keras.saving.register_keras_serializable(package="tfmixprec")
-class LossScaleOptimizer(_LossScaleReadout, _LossScaleUpkeep, KerasLossScaleHooks):
+class LossScaleOptimizer(KerasLossScaleHooks):
     """Loss-scaling optimizer with growth, backoff, hysteresis, bounds and counters.
 
     A subclass of `keras.optimizers.LossScaleOptimizer`, so Keras's
@@ -516,6 +283,106 @@ class LossScaleOptimizer(_LossScaleReadout, _LossScaleUpkeep, KerasLossScaleHook
             self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
+    # ------------------------------------------------------------ the knobs (the config's)
+    @property
+    def dynamic(self) -> bool:
+        """`False`: the scale stays at `initial_scale` (the bounds do not apply)."""
+        return self.loss_scale_config.dynamic
+
+    @property
+    def growth_interval(self) -> int:
+        """Clean steps before the scale grows (Keras: `dynamic_growth_steps`)."""
+        return self.loss_scale_config.growth_interval
+
+    @property
+    def growth_factor(self) -> float:
+        """The multiplier on growth."""
+        return self.loss_scale_config.growth_factor
+
+    @property
+    def backoff_factor(self) -> float:
+        """The multiplier on backoff."""
+        return self.loss_scale_config.backoff_factor
+
+    @property
+    def min_scale(self) -> float:
+        """The scale never backs off below this."""
+        return self.loss_scale_config.min_scale
+
+    @property
+    def max_scale(self) -> float:
+        """The scale never grows above this."""
+        return self.loss_scale_config.max_scale
+
+    @property
+    def hysteresis(self) -> int:
+        """Overflows (since the scale last grew) before it backs off."""
+        return self.loss_scale_config.hysteresis
+
+    # ------------------------------------------------------------ the state variables
+    # One name each (`tfmixprec.loss_scale.LossScale` holds them), and the names Keras's and
+    # TF 2's optimizers give two of them: `dynamic_scale` and `step_counter` (Keras's own code
+    # and checkpoints use them on this subclass), `dynamic_counter` (TF 2 code reads it).
+    @property
+    def loss_scale(self) -> Any:
+        """The scale (a float32 variable)."""
+        return self._loss_scale.scale_variable
+
+    @property
+    def dynamic_scale(self) -> Any:
+        """Keras's name for `loss_scale`."""
+        return self._loss_scale.scale_variable
+
+    @property
+    def good_steps(self) -> Any:
+        """Clean steps since the scale last grew or backed off."""
+        return self._loss_scale.good_steps
+
+    @property
+    def step_counter(self) -> Any:
+        """Keras's name for `good_steps`."""
+        return self._loss_scale.good_steps
+
+    @property
+    def dynamic_counter(self) -> Any:
+        """TensorFlow 2's name for `good_steps`."""
+        return self._loss_scale.good_steps
+
+    @property
+    def hysteresis_tracker(self) -> Any:
+        """Overflows left before the scale backs off."""
+        return self._loss_scale.hysteresis_tracker
+
+    @property
+    def overflow_steps(self) -> Any:
+        """Skipped steps, in all."""
+        return self._loss_scale.overflow_steps
+
+    @property
+    def consecutive_overflows(self) -> Any:
+        """Skipped steps in a row, now."""
+        return self._loss_scale.consecutive_overflows
+
+    @property
+    def last_overflow_iteration(self) -> Any:
+        """Applied steps at the last skip."""
+        return self._loss_scale.last_overflow_iteration
+
+    @property
+    def last_overflow_scale(self) -> Any:
+        """The scale the last overflow used."""
+        return self._loss_scale.last_overflow_scale
+
+    @property
+    def min_scale_overflows(self) -> Any:
+        """Overflow steps at `min_scale` since the scale last grew."""
+        return self._loss_scale.min_scale_overflows
+
+    @property
+    def longest_overflow_run(self) -> Any:
+        """The longest run of consecutive overflow steps since `reset_longest_overflow_run()`."""
+        return self._loss_scale.longest_overflow_run
+
     # ------------------------------------------------------------ loss scaling
     def scale_loss(self, loss: Any) -> Any:
         """Multiplies `loss` by the current scale, in float32, and starts a step: gradients
@@ -613,6 +480,176 @@ class LossScaleOptimizer(_LossScaleReadout, _LossScaleUpkeep, KerasLossScaleHook
         """Leaves weights and slots alone; counts the overflow (and, given `evidence` from
         `check_step`, which variables' gradients were not finite) and backs the scale off."""
         self._loss_scale.adjust(False, self.iterations, evidence)
+
+    # ------------------------------------------------------------ readers
+    def last_overflow_step(self) -> tf.Tensor:
+        """The last overflow step (0-based, skipped steps counted; -1: none), read in the
+        graph."""
+        return self._loss_scale.step_numbers(self.iterations)["last_overflow_step"]
+
+    def snapshot(self) -> dict[str, tf.Tensor]:
+        """The loss-scale values for logs, read in the graph (no host sync; after `apply`
+        they include that step). See `LossScale.snapshot`. With accumulation only the
+        micro-batch that ends a window can be an overflow step: `overflow` is 0 inside one."""
+        values = self._loss_scale.log_values(self.iterations)
+        values["overflow"] = tf.cast(self.skipped(), tf.float32)
+        return values
+
+    def skipped(self) -> tf.Tensor:
+        """Whether the step that just ran was skipped (a scalar bool, read in the graph):
+        after `apply`, its gradients were not finite. With accumulation only the micro-batch
+        that ends a window can be skipped."""
+        skipped = read_now(self._loss_scale.consecutive_overflows) > 0
+        if self._accumulator is not None:
+            ended = tf.equal(read_now(self._accumulator.micro_step), 0)
+            skipped = tf.logical_and(skipped, ended)
+        return skipped
+
+    def read_state(self) -> dict[str, float | int]:
+        """Reads the whole scale state to the host as Python numbers (also under strategies).
+
+        Call it outside the step (callbacks do, at their logging interval).
+
+        Returns:
+            Dict keyed by `STATE_NAMES`: `loss_scale` (a float) and the integer counters,
+            and the step numbers of `LossScale.snapshot`: `step` (steps attempted so far,
+            skipped ones counted) and `last_overflow_step` (-1: none).
+        """
+        state = {name: getattr(self, name).numpy().item() for name in STATE_NAMES}
+        numbers = self._loss_scale.step_numbers(self.iterations)
+        state.update({key: int(value.numpy()) for key, value in numbers.items()})
+        return {**state, "loss_scale": float(state["loss_scale"])}
+
+    # ------------------------------------------------------------ overflow attribution
+    def overflow_sources(self) -> tuple[list[Any], list[int], list[int]]:
+        """Per variable (in the optimizer's order), the overflow steps its gradient was not
+        finite in and the last one (-1: never): host reads, for `overflow_report`."""
+        if self._loss_scale.nonfinite_steps is None:  # not built yet
+            return [], [], []
+        counts = self._loss_scale.nonfinite_steps.numpy().tolist()
+        last_steps = self._loss_scale.last_nonfinite_step.numpy().tolist()
+        return self.tracked_variables(), counts, last_steps
+
+    def overflow_scale(self) -> float:
+        """The scale the last step used if it overflowed (before the backoff), else the
+        current scale: the scale to replay a bad batch at (`tfmixprec.explain_overflow`)."""
+        last = float(self._loss_scale.last_overflow_scale.numpy())
+        if int(self.consecutive_overflows.numpy()) > 0 and last > 0:  # 0: not recorded
+            return last
+        return float(self.loss_scale.numpy())
+
+    def overflow_report(self, model: keras.Model | None = None) -> OverflowReport:
+        """Per layer, the overflow steps its gradients took part in: layers named by `model`,
+        or by their variables' paths (`tfmixprec.overflow_report(model)` passes the model)."""
+        overflows = int(self.overflow_steps.numpy())
+        last = int(self.last_overflow_step().numpy()) if overflows else -1
+        return build_report(*self.overflow_sources(), overflows, last, model)
+
+    # ------------------------------------------------------------ reporting
+    def check_min_scale(self) -> None:
+        """Warns or raises (per `on_min_scale`) if a step overflowed at `min_scale`.
+
+        Reads one variable, so call it outside the step. It runs on its own after every eager
+        step, at the end of `fit`, every 50 batches of a `MixedPrecisionModel`'s `fit`, and at
+        the logging interval of `LossScaleMonitor` and `OverflowGuard`.
+
+        Raises:
+            FloatingPointError: With `on_min_scale="raise"`, naming the step.
+        """
+        if self.on_min_scale == "ignore" or self._min_scale_reported:
+            return
+        message = min_scale_report(self._loss_scale)
+        if message is None:
+            return
+        self._min_scale_reported = True
+        if self.on_min_scale == "raise":
+            raise FloatingPointError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def get_config(self) -> dict[str, Any]:
+        """Every knob (Keras's key `dynamic_growth_steps` for the interval) and the inner
+        optimizer, serialized."""
+        inner = keras.saving.serialize_keras_object(self.inner_optimizer)
+        config = {"name": self.name, "inner_optimizer": inner}
+        return {**config, **{key: getattr(self, key) for key in CONFIG_NAMES}}
+
+    # ------------------------------------------------------------ upkeep (outside the step)
+    def reset_longest_overflow_run(self) -> None:
+        """Starts `longest_overflow_run` from 0 again (outside the step; `OverflowGuard` calls
+        it at `on_train_begin`, then reads the longest run at each check)."""
+        reset_longest_overflow_run(self._loss_scale)
+
+    def start_at(self, scale: float) -> None:
+        """Before the first step, starts the scale at `scale` (`CalibrationReport.apply`):
+        the scale and `initial_scale` in the config.
+
+        Raises:
+            ValueError: If `scale` is not a valid `initial_scale` for the bounds.
+        """
+        self._loss_scale.start_at(scale)
+        self.loss_scale_config = self._loss_scale.config
+        self.initial_scale = self.loss_scale_config.initial_scale  # Keras's attribute
+
+    def restart_at(self, scale: float) -> None:
+        """After `PrecisionRepair` moved layers to float32, between steps: the scale at `scale`
+        (clipped to the bounds) and the growth and `min_scale` counts from the start (so the
+        end of `fit` does not report an overflow at `min_scale` the repair fixed)."""
+        self._loss_scale.restart_at(scale)
+        self._min_scale_reported = False
+
+    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
+        """Called by Keras at the end of `fit`; also reports a `min_scale` overflow and a
+        gradient accumulation window the `fit` left partly summed."""
+        super().finalize_variable_values(var_list)
+        self.check_min_scale()
+        summed = int(self._accumulator.micro_step.numpy()) if self._accumulator else 0
+        if summed:
+            warnings.warn(
+                f"fit ended inside a gradient accumulation window: {summed} of "
+                f"{self.accumulation_steps} micro-batches are summed, and the next fit's "
+                "first window counts them (its first applied step covers them). Make the "
+                "steps of a fit a multiple of accumulation_steps, or call "
+                "optimizer.discard_partial_window() to drop them. "
+                f"{docs_page('guides/fit-and-callbacks')}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def discard_partial_window(self) -> int:
+        """Drops the micro-batches summed so far in the current accumulation window (call it
+        outside the step, e.g. after a `fit`).
+
+        Returns:
+            How many micro-batches were dropped (0 without accumulation).
+        """
+        if self._accumulator is None:
+            return 0
+        summed = int(self._accumulator.micro_step.numpy())
+        self._accumulator.clear()
+        return summed
+
+    # ------------------------------------------------------------ serialization
+    def save_own_variables(self, store: Any) -> None:
+        """Writes the state for a `.keras` / `.weights.h5` file: tfmixprec's own variables by
+        name, with a format version (see `tfmixprec._state_file`), the inner optimizer's by
+        position."""
+        save(*self._own_and_inner(), store, self._trained())
+
+    def load_own_variables(self, store: Any) -> None:
+        """Reads a file's state: by name; a file from tfmixprec 0.1 to 0.3 (by position)
+        through the layout of the release that wrote it (what it lacks starts fresh). A file
+        whose state does not fit this optimizer is refused with a `ValueError` before
+        anything is assigned."""
+        load(*self._own_and_inner(), store, f"optimizer {self.name!r}", self._trained())
+
+    def _trained(self) -> list[Any]:
+        """The variables it was built with (none before it is built)."""
+        return self.tracked_variables() if self.built else []
+
+    def _own_and_inner(self) -> tuple[list[Any], list[Any]]:
+        inner = list(self.inner_optimizer.variables)
+        everything = list(self.variables)  # its own, then the inner optimizer's
+        return everything[: len(everything) - len(inner)], inner
 
     @classmethod
     def from_keras(cls, keras_optimizer: Any, **kwargs: Any) -> LossScaleOptimizer:
