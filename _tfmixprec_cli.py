@@ -1,207 +1,32 @@
-"""The `tfmixprec` command's entry point: the argument parser and `main`, outside the package.
+"""The `tfmixprec` console script (`main`), outside the package.
 
-`import tfmixprec` imports TensorFlow (it registers tfmixprec's Keras-serializable classes, so
-`keras.models.load_model` works right after it), and that takes seconds. This module is not
-part of the package and imports nothing of TensorFlow, Keras or tfmixprec at module level
-(`tests/test_package.py` checks it): `tfmixprec --help`, `tfmixprec demo --help` and usage
-errors answer before TensorFlow is loaded. A subcommand starts TensorFlow with its start-up
-log lines silenced (`start_tensorflow`), then runs from `tfmixprec.cli`.
+It parses the arguments with `_tfmixprec_args.build_parser` before anything imports
+TensorFlow, so `tfmixprec --help` and usage errors answer in about 0.05 s; then it starts
+TensorFlow with its start-up log lines silenced and runs the subcommand from `tfmixprec.cli`,
+which owns the subcommands and their exit codes. The imports run one way: this module reads
+`_tfmixprec_args` and `tfmixprec.cli`; `tfmixprec.cli` reads `_tfmixprec_args`; none reads
+this module.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import os
-import re
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-__all__ = ["build_parser", "drop_startup_noise", "main", "run", "start_tensorflow"]
+from _tfmixprec_args import build_parser, start_tensorflow
 
-EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
-DEMO_POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-BENCH_MODELS = ("mlp", "cnn", "transformer")
-ZOO_MODELS = ("gpt2", "llama", "gemma", "mistral", "bert", "vit", "resnet", "mobilenet")
-
-
-def _bench_model(text: str) -> str:
-    """A built-in or zoo model's name, or MODULE:FUNCTION / FILE.py:FUNCTION (checked when
-    imported, after TensorFlow starts)."""
-    where, _, name = text.rpartition(":")
-    if text in BENCH_MODELS or text in ZOO_MODELS or (where and name.isidentifier()):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"expected {', '.join(BENCH_MODELS + ZOO_MODELS)} or MODULE:FUNCTION / "
-        f"FILE.py:FUNCTION, got {text!r}"
-    )
-
-
-def _add_bench(sub: Any) -> None:
-    """The `bench` subcommand's arguments."""
-    bench = sub.add_parser("bench", help="step time and throughput per policy, side by side")
-    bench.add_argument(
-        "--model",
-        type=_bench_model,
-        default="mlp",
-        help=f"{', '.join(BENCH_MODELS)} (built in), a zoo model ({', '.join(ZOO_MODELS)}), "
-        "or your own: MODULE:FUNCTION or FILE.py:FUNCTION, a function that builds and "
-        "compiles it (default: mlp)",
-    )
-    bench.add_argument(
-        "--policies",
-        nargs="+",
-        choices=DEMO_POLICIES,
-        help="default: float32 mixed_bfloat16 auto (built in); float32 mixed_bfloat16 "
-        "mixed_float16 (other models)",
-    )
-    bench.add_argument("--size", type=_positive_int, default=1024, help="built-in model width")
-    bench.add_argument(
-        "--batch-size",
-        type=_positive_int,
-        help="default: 256 (built in), 32 (your function's model); a zoo model uses its own",
-    )
-    bench.add_argument("--steps", type=_positive_int, default=20, help="steps per timed run")
-    bench.add_argument("--repeats", type=_positive_int, default=3)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The `tfmixprec` argument parser (subcommands doctor, audit, demo, bench)."""
-    parser = argparse.ArgumentParser(
-        prog="tfmixprec",
-        description="Safe, visible and fast mixed precision for Keras 3 on TensorFlow.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    doctor = sub.add_parser("doctor", help="hardware report and the recommended policy")
-    doctor.add_argument("--json", action="store_true", help="print JSON")
-
-    audit = sub.add_parser("audit", help="audit a saved .keras model for mixed precision")
-    audit.add_argument("model", help="path to a .keras file")
-    audit.add_argument(
-        "--policy",
-        choices=DEMO_POLICIES,
-        help="audit as if the model had been built under this policy",
-    )
-    audit.add_argument("--json", action="store_true", help="print JSON")
-
-    demo = sub.add_parser("demo", help="train a small CNN on the digits data set")
-    demo.add_argument("--policy", choices=DEMO_POLICIES, default="auto")
-    demo.add_argument("--epochs", type=_positive_int, default=12)
-    demo.add_argument("--logdir", default="runs", help="TensorBoard log folder (default: runs)")
-    demo.add_argument("--batch-size", type=_positive_int, default=64)
-    demo.add_argument("--quiet", action="store_true", help="no progress bar")
-
-    _add_bench(sub)
-    return parser
-
-
-# TensorFlow's C++ log lines: severity letter, date, time, thread, file:line (absl's format).
-_LOG_LINE = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ \S+:\d+\] ")
-# absl prints this, and every line logged before TensorFlow initializes absl logging, whatever
-# TF_CPP_MIN_LOG_LEVEL says (TensorFlow 2.21).
-_ABSL_BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to"
-_NO_DRIVER = "Could not find cuda drivers on your machine"
-_CUINIT_FAILED = "failed call to cuInit"
-
-
-def _hidden(line: str, min_level: int, no_driver: bool) -> bool:
-    match = _LOG_LINE.match(line)
-    if match is None:
-        return min_level >= 1 and line.startswith(_ABSL_BANNER)
-    severity = "IWEF".index(match.group(1))
-    # Without an NVIDIA driver cuInit fails by necessity: its ERROR line adds nothing to the
-    # INFO line that says so, and goes with it.
-    return severity < min_level or (min_level >= 2 and no_driver and _CUINIT_FAILED in line)
-
-
-def drop_startup_noise(text: str, min_level: int) -> str:
-    """`text` (what TensorFlow wrote to stderr while starting) without the lines
-    TF_CPP_MIN_LOG_LEVEL=`min_level` means to hide; every other line is kept.
-
-    Args:
-        text: String. The captured stderr.
-        min_level: Int. 0 shows all, 1 hides INFO, 2 also WARNING, 3 also ERROR.
-
-    Returns:
-        The kept lines, in order.
-    """
-    no_driver = _NO_DRIVER in text
-    lines = text.splitlines(keepends=True)
-    return "".join(line for line in lines if not _hidden(line, min_level, no_driver))
-
-
-@contextlib.contextmanager
-def _filtered_stderr(min_level: int) -> Iterator[None]:
-    """Captures file descriptor 2 (where C++ logs too) in the block; writes back what
-    `drop_startup_noise` keeps when it ends, also when it raises."""
-    import tempfile
-
-    sys.stderr.flush()
-    try:
-        saved = os.dup(2)
-    except OSError:  # no file descriptor 2: nothing to filter
-        yield
-        return
-    with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            capture.seek(0)
-            text = capture.read().decode(errors="replace")
-            sys.stderr.write(drop_startup_noise(text, min_level))
-            sys.stderr.flush()
-
-
-def _min_log_level() -> int:
-    try:
-        return int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0"))
-    except ValueError:
-        return 0
-
-
-def start_tensorflow() -> None:
-    """Imports TensorFlow and lists its devices without its start-up log lines.
-
-    Sets TF_CPP_MIN_LOG_LEVEL=2 (INFO and WARNING off) unless it is set already (a user's own
-    setting wins), and hides the lines TensorFlow prints before that setting takes effect.
-    Does nothing more once TensorFlow is imported.
-    """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if "tensorflow" in sys.modules:
-        return
-    with _filtered_stderr(_min_log_level()):
-        import tensorflow as tf
-
-        tf.config.list_physical_devices()  # device start-up logs too (cuInit)
+__all__ = ["main", "run"]
 
 
 def run(argv: Sequence[str] | None = None) -> int:
     """Runs the `tfmixprec` command in this process and returns its exit code; a usage error
-    raises `SystemExit(2)` (`tfmixprec.cli.main` calls this)."""
+    raises `SystemExit(2)` before TensorFlow is imported."""
     args = build_parser().parse_args(argv)  # --help and usage errors end here, quickly
     start_tensorflow()
     from tfmixprec import cli
 
-    return cli.COMMANDS[args.command](args)
+    return cli.run_parsed(args)
 
 
 def _format_warning(

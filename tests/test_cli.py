@@ -335,11 +335,11 @@ def test_bench_your_own_model_errors(tmp_path, model, message):
 
 def test_bench_model_names_match_the_package():
     """The parser names the models without importing tfmixprec: the same names."""
-    import _tfmixprec_cli
+    import _tfmixprec_args
     from tfmixprec import bench, zoo
 
-    assert _tfmixprec_cli.BENCH_MODELS == bench.MODELS
-    assert _tfmixprec_cli.ZOO_MODELS == tuple(zoo.MODELS)
+    assert _tfmixprec_args.BENCH_MODELS == bench.MODELS
+    assert _tfmixprec_args.ZOO_MODELS == tuple(zoo.MODELS)
 
 
 def test_recommend_from_results():
@@ -450,30 +450,30 @@ STARTUP = (
     ],
 )
 def test_drop_startup_noise_follows_the_log_level(level, kept):
-    import _tfmixprec_cli
+    import _tfmixprec_args
 
-    lines = _tfmixprec_cli.drop_startup_noise(STARTUP, level).splitlines()
+    lines = _tfmixprec_args.drop_startup_noise(STARTUP, level).splitlines()
     assert [line for line in lines if not any(line.startswith(k) for k in kept)] == []
     assert len(lines) == len(kept)
 
 
 def test_a_cuinit_error_with_a_driver_installed_is_kept():
-    import _tfmixprec_cli
+    import _tfmixprec_args
 
     error = STARTUP.splitlines(keepends=True)[3]
-    assert _tfmixprec_cli.drop_startup_noise(error, 2) == error
-    assert _tfmixprec_cli.drop_startup_noise(error, 3) == ""
+    assert _tfmixprec_args.drop_startup_noise(error, 2) == error
+    assert _tfmixprec_args.drop_startup_noise(error, 3) == ""
 
 
 @pytest.mark.parametrize("users, expected", [(None, "2"), ("0", "0"), ("3", "3")])
 def test_start_tensorflow_keeps_a_users_log_level(monkeypatch, users, expected):
-    import _tfmixprec_cli
+    import _tfmixprec_args
 
     if users is None:
         monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
     else:
         monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", users)
-    _tfmixprec_cli.start_tensorflow()  # TensorFlow is imported here already: only the level
+    _tfmixprec_args.start_tensorflow()  # TensorFlow is imported here already: only the level
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == expected
 
 

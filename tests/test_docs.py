@@ -138,12 +138,12 @@ def _check_python(words: list[str]) -> None:
 
 
 def _parse_tfmixprec(words: list[str]) -> None:
-    import _tfmixprec_cli
+    import _tfmixprec_args
 
     if "--help" in words or "-h" in words:
         return
     try:
-        _tfmixprec_cli.build_parser().parse_args(words)
+        _tfmixprec_args.build_parser().parse_args(words)
     except SystemExit as err:
         raise AssertionError(f"tfmixprec {shlex.join(words)}: a usage error") from err
 

@@ -9,6 +9,7 @@ import tfmixprec
 
 PACKAGE = Path(tfmixprec.__file__).resolve().parent
 ENTRY = PACKAGE.parent / "_tfmixprec_cli.py"  # the console script's module, outside the package
+ARGS = PACKAGE.parent / "_tfmixprec_args.py"  # its parser and start-up, read by tfmixprec.cli too
 MAX_FUNCTION_LINES = 40  # docstrings not counted
 MAX_MODULE_LINES = 600
 # Modules longer than MAX_MODULE_LINES, each with the one concern it holds: a long module is
@@ -135,6 +136,7 @@ def _body_lines(node):
 def test_functions_stay_small():
     too_big = []
     modules = dict(_modules(), _tfmixprec_cli=ast.parse(ENTRY.read_text()))
+    modules["_tfmixprec_args"] = ast.parse(ARGS.read_text())
     for name, tree in modules.items():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -197,8 +199,30 @@ def _module_level_imports(tree):
 
 def test_the_command_entry_imports_no_tensorflow_at_module_level():
     """`tfmixprec --help` must answer before TensorFlow loads (docs/ARCHITECTURE.md)."""
-    imported = _module_level_imports(ast.parse(ENTRY.read_text()))
-    assert imported & {"tensorflow", "keras", "tfmixprec", "numpy"} == set(), imported
+    for path in (ENTRY, ARGS):
+        imported = _module_level_imports(ast.parse(path.read_text()))
+        assert imported & {"tensorflow", "keras", "tfmixprec", "numpy"} == set(), imported
     lazily = _module_level_imports(ast.parse("def f():\n    import tensorflow\n"))
     assert lazily == set()  # the check itself: a function's imports are not module level
     assert "_tfmixprec_cli:main" in (PACKAGE.parent / "pyproject.toml").read_text()
+
+
+def _every_import(tree):
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_the_command_modules_import_one_way():
+    """The console script reads the parser and `tfmixprec.cli`; `tfmixprec.cli` reads the
+    parser; the parser reads neither, at any level (no circle, lazy imports included)."""
+    parser = _every_import(ast.parse(ARGS.read_text()))
+    assert {m.split(".")[0] for m in parser} & {"tfmixprec", "_tfmixprec_cli"} == set()
+    package = set().union(*(_every_import(tree) for tree in _modules().values()))
+    assert "_tfmixprec_cli" not in package
+    assert "_tfmixprec_args" in _every_import(_modules()["cli"])
+    assert {"_tfmixprec_args", "tfmixprec"} <= _every_import(ast.parse(ENTRY.read_text()))

@@ -10,9 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# The parser and the exit codes live in the top-level `_tfmixprec_cli` (the console script's
-# entry point), so that `--help` and usage errors answer without importing TensorFlow.
-from _tfmixprec_cli import EXIT_FINDINGS, EXIT_OK, EXIT_USAGE
+# The parser lives in the top-level `_tfmixprec_args`, outside the package, so that the console
+# script (`_tfmixprec_cli`) answers `--help` and usage errors without importing TensorFlow.
+from _tfmixprec_args import build_parser, start_tensorflow
+
+# The exit codes: 0 done, 1 the audit found an error, 2 bad input (argparse's code too).
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -164,12 +167,18 @@ def _bench_results(args: argparse.Namespace, bench: Any, progress: Any) -> list[
 COMMANDS = {"doctor": cmd_doctor, "audit": cmd_audit, "demo": cmd_demo, "bench": cmd_bench}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the `tfmixprec` command in this process (`_tfmixprec_cli.run`, as the console
-    script does). Returns the exit code; usage errors raise `SystemExit(2)`."""
-    import _tfmixprec_cli
+def run_parsed(args: argparse.Namespace) -> int:
+    """Runs the subcommand `args` names (parsed by `build_parser`); returns its exit code."""
+    return COMMANDS[args.command](args)
 
-    return _tfmixprec_cli.run(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the `tfmixprec` command in this process, as the console script does (its Python
+    warnings aside, which stay Python's). Returns the exit code; usage errors raise
+    `SystemExit(2)`."""
+    args = build_parser().parse_args(argv)
+    start_tensorflow()  # TensorFlow is imported already: only its log level's default
+    return run_parsed(args)
 
 
 if __name__ == "__main__":
