@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfmixprec._keras_compat import make_train_function, set_compiled_optimizer
 from tfmixprec._layers import iter_layers
+from tfmixprec._patches import patch
 from tfmixprec._text import docs_page
 from tfmixprec.loss_scale import format_scale
 from tfmixprec.optimizer import LossScaleOptimizer
@@ -104,7 +105,7 @@ def _guard_train_step(model: Any) -> None:
     """Wraps the model's `train_step` in `guard_state` once (a skipped step changes no
     variable) and has `fit` trace it again."""
     if not getattr(model.train_step, "tfmixprec_guarded", False):
-        model.train_step = guarded_step(model, model.train_step)
+        patch(model, "train_step", "state guard", lambda step: guarded_step(model, step))
         make_train_function(model)
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from tfmixprec._patches import Patch, patch, patches_of
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
-_ROUTE = "_tfmixprec_cpu_route"  # on a routed layer instance: the route's name
-_REPLACED = "_tfmixprec_cpu_route_replaces"  # and the method it replaced
+_WHO = "cpu route "  # a route's patch is made by "cpu route <its name>" (`tfmixprec._patches`)
 
 
 def cpu_only(hardware: HardwareInfo | None) -> bool:
@@ -24,25 +24,27 @@ def cpu_only(hardware: HardwareInfo | None) -> bool:
     return not hardware.gpus and not hardware.tpus
 
 
+def _route_patches(layer: Any) -> list[Patch]:
+    return [p for p in patches_of(layer) if p.who.startswith(_WHO)]
+
+
 def route_of(layer: Any) -> str | None:
     """The name of the route `layer` takes, or None."""
-    return getattr(layer, _ROUTE, None)
+    found = _route_patches(layer)
+    return found[0].who[len(_WHO) :] if found else None
 
 
 def route(layer: Any, name: str, attribute: str, method: Any) -> None:
     """Makes `layer.<attribute>` call `method(layer, ...)`, unless the layer already takes a
-    route."""
+    route (a patch of `tfmixprec._patches`)."""
     if route_of(layer) is None:
-        setattr(layer, attribute, types.MethodType(method, layer))
-        setattr(layer, _ROUTE, name)
-        setattr(layer, _REPLACED, attribute)
+        patch(layer, attribute, _WHO + name, lambda _: types.MethodType(method, layer))
 
 
 def unroute(layer: Any) -> str | None:
     """Takes `layer` off its route (the class's method again); returns the route's name, or
     None when it took none. For a layer whose computation changes kind (`float8_layers`)."""
     name = route_of(layer)
-    if name is not None:
-        for attribute in (vars(layer).pop(_REPLACED), _ROUTE):
-            vars(layer).pop(attribute, None)
+    for handle in _route_patches(layer):
+        handle.undo()
     return name

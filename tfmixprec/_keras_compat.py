@@ -36,6 +36,8 @@ from tensorflow.python.ops.control_flow_util import (
     GraphOrParentsInXlaContext as _xla_context,
 )
 
+from tfmixprec._patches import patch, patches_of, undo_all
+
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
 
@@ -383,9 +385,11 @@ def update_each_copy(updates: Sequence[tuple[Any, Any, tuple]]) -> None:
         tf.distribute.get_replica_context().merge_call(update, args=all_args)
 
 
-def replace_train_step(model: Any, make_step: Any) -> None:
+def replace_train_step(model: Any, make_step: Any, who: str = "overflow keeper") -> None:
     """Makes `model`'s step, from its next trace on, the function `make_step(step)` returns
-    for its current `train_step`; `make_step=None` gives the class's own back.
+    for the step below it (a patch of `tfmixprec._patches`, made by `who`, over what the
+    model had: the class's `train_step`, a user's own, the state guard's); `make_step=None`
+    takes `who`'s patch out.
 
     Why: Keras traces `model.train_step` into its train function and offers no hook inside
     the step; tfmixprec's `diagnose=` keeps the batch of an overflow step there, on any model
@@ -393,20 +397,9 @@ def replace_train_step(model: Any, make_step: Any) -> None:
     the class's method for this model alone: its class, saved config and other models are
     untouched. The caller retraces (`make_train_function(force=True)`).
     """
-    current = vars(model).get("train_step")
-    # A step the user set on the instance is kept: wrapped, and given back at the end.
-    own = getattr(current, _REPLACED, current)
-    if own is None:
-        vars(model).pop("train_step", None)  # the class's method (no Keras tracking to undo)
-    else:
-        model.train_step = own
+    undo_all(model, "train_step", who)
     if make_step is not None:
-        step = make_step(model.train_step)
-        setattr(step, _REPLACED, own)
-        model.train_step = step
-
-
-_REPLACED = "_tfmixprec_replaced_step"  # on a wrapped step: the instance step it wraps, or None
+        patch(model, "train_step", who, make_step)
 
 
 # On a `train_step` that compiles itself with XLA where the model asks for XLA: the train
@@ -649,24 +642,25 @@ def watch_float8_call(layer: Any, forward: Any, output: Any) -> None:
         with lock, _before_activation(layer, output):
             return original(inputs, training=training, **kwargs)
 
-    object.__setattr__(layer, "_float8_call", call)
+    patch(layer, "_float8_call", _FLOAT8_WATCH, lambda _: call, raw=True)
 
 
-@contextlib.contextmanager
-def _before_activation(layer: Any, output: Any) -> Iterator[None]:
-    """For the block, `output` sits in front of `layer`'s activation (after its bias)."""
-    activation = layer.activation
-    watched = output if activation is None else (lambda x: activation(output(x)))
-    object.__setattr__(layer, "activation", watched)
-    try:
-        yield
-    finally:
-        object.__setattr__(layer, "activation", activation)
+_FLOAT8_WATCH = "float8 counters"  # who patches a float8 layer's `_float8_call` to count
+
+
+def _before_activation(layer: Any, output: Any) -> Any:
+    """A `with` patch: for the block, `output` sits in front of `layer`'s activation (after
+    its bias)."""
+
+    def make(activation: Any) -> Any:
+        return output if activation is None else (lambda x: activation(output(x)))
+
+    return patch(layer, "activation", "float8 output watch", make, raw=True)
 
 
 def float8_call_watched(layer: Any) -> bool:
     """Whether `watch_float8_call` replaced `layer`'s `_float8_call`."""
-    return "_float8_call" in vars(layer)
+    return bool(patches_of(layer, "_float8_call", _FLOAT8_WATCH))
 
 
 # Why: a replay outside the step (`diagnosis`, `calibration`) differentiates a float8 layer's
@@ -696,17 +690,12 @@ FLOAT8_VARIABLES = (
 @contextlib.contextmanager
 def float8_replayed(layers: Sequence[Any], seen: Any, output: Any) -> Iterator[None]:
     quantized = [x for x in layers if getattr(x, "quantization_mode", None) == "float8"]
-    own = {id(layer): vars(layer).get("_float8_call") for layer in quantized}
-    for layer in quantized:
-        object.__setattr__(layer, "_float8_call", _replayed_call(layer, seen, output))
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as patches:
         for layer in quantized:
-            if own[id(layer)] is None:
-                object.__delattr__(layer, "_float8_call")
-            else:
-                object.__setattr__(layer, "_float8_call", own[id(layer)])
+            call = _replayed_call(layer, seen, output)
+            made = patch(layer, "_float8_call", "float8 replay", lambda _, c=call: c, raw=True)
+            patches.callback(made.undo)
+        yield
 
 
 def _replayed_call(layer: Any, seen: Any, output: Any) -> Any:

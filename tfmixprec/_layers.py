@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from tfmixprec._keras_compat import all_sublayers
+from tfmixprec._patches import patch
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
@@ -87,25 +88,26 @@ CALLS_LOCK = threading.RLock()
 
 
 def _watching(model: keras.Model, record: Callable[[Any, tuple, Any], None]) -> Iterator[None]:
-    leaves = [(layer, _called(layer)) for layer in iter_layers(model) if not is_container(layer)]
-    own_calls = {id(layer): vars(layer).get(name) for layer, name in leaves}
-    for layer, name in leaves:
-        own = getattr(layer, name)
+    leaves = [layer for layer in iter_layers(model) if not is_container(layer)]
+    with contextlib.ExitStack() as patches:
+        for layer in leaves:
+            made = patch(layer, _called(layer), "watch_leaf_calls", _watcher(layer, record))
+            patches.callback(made.undo)
+        yield
 
-        def watched(*args, __layer=layer, __call=own, **kwargs):
-            result = __call(*args, **kwargs)
-            record(__layer, args, result)
+
+def _watcher(layer: Any, record: Callable[[Any, tuple, Any], None]) -> Callable[[Any], Any]:
+    """The patch that wraps `layer`'s call (the class's, or a route's) in a watcher."""
+
+    def make(own: Callable[..., Any]) -> Callable[..., Any]:
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            result = own(*args, **kwargs)
+            record(layer, args, result)
             return result
 
-        setattr(layer, name, watched)
-    try:
-        yield
-    finally:
-        for layer, name in leaves:
-            if own_calls[id(layer)] is None:
-                delattr(layer, name)  # back to the class method
-            else:
-                setattr(layer, name, own_calls[id(layer)])
+        return watched
+
+    return make
 
 
 def _called(layer: Any) -> str:
