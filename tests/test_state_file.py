@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "workers"))
 from legacy_state_worker import model_and_optimizer  # noqa: E402
 
-# The last commit of each release before the state was saved by name.
-RELEASES = {"0.1.0": "559b46d", "0.2.0": "6c2656e", "0.3.0": "954899b"}
+# The last commit of each release: 0.1 to 0.3 saved the state by position, 0.4.0 by name, from
+# the flat package of 0.4.0 (before its modules moved into subpackages, issue 38).
+RELEASES = {"0.1.0": "559b46d", "0.2.0": "6c2656e", "0.3.0": "954899b", "0.4.0": "71c9978"}
 
 
 @pytest.fixture(scope="module")
