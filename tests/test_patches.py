@@ -135,3 +135,73 @@ def test_every_patcher_of_tfmixprec_undone_leaves_the_model_as_it_was(order):
     calls.clear()
     model(np.ones((2, 32), "float32"))  # the classes' own calls: nothing watches
     assert calls == []
+
+
+def test_a_value_written_from_outside_wins_and_retires_the_patches_it_replaced():
+    thing = Thing()
+    below = patch(thing, "call", "below", _wrap("below"))
+    above = patch(thing, "call", "above", _wrap("above"))
+    mine = lambda x: ["mine", x]  # noqa: E731
+    thing.call = mine  # the user's own, written over both patches
+    assert patches_of(thing) == []  # seen: the patches it replaced are retired
+    assert not below.active and not above.active
+    above.undo()  # nothing left to undo: the user's value stays
+    assert thing.call is mine
+    with patch(thing, "call", "later", _wrap("later")):
+        assert thing.call(1) == ["later", "mine", 1]
+    assert vars(thing) == {"call": mine}
+
+
+def test_a_make_that_raises_changes_nothing():
+    thing = Thing()
+
+    def broken(_):
+        raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError, match="no"):
+        patch(thing, "call", "broken", broken)
+    assert vars(thing) == {}
+
+
+def test_patches_of_lists_in_the_order_made_across_attributes():
+    thing = Thing()
+    thing.other = 1
+    patch(thing, "call", "first", _wrap("first"))
+    patch(thing, "other", "second", lambda value: value + 1)
+    patch(thing, "call", "third", _wrap("third"))
+    assert [p.who for p in patches_of(thing)] == ["first", "second", "third"]
+    assert undo_all(thing) == 3 and vars(thing) == {"other": 1}
+
+
+def _chain(step):
+    names = []
+    while step is not None:
+        names.append(getattr(step, "__name__", repr(step)))
+        step = getattr(step, "__wrapped__", None)
+    return names
+
+
+def test_a_train_step_the_user_sets_between_fits_is_kept_and_guarded_once():
+    """A review found the user's step dropped, and the class's step guarded twice, when the
+    overflow keeper was taken off after a fit with `diagnose=`."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+
+    def fit(callbacks):
+        model.fit(x, y, batch_size=4, verbose=0, callbacks=callbacks)
+
+    fit([tfmixprec.LossScaleMonitor(diagnose=1)])
+    calls = []
+
+    def my_step(data):
+        calls.append(1)
+        return keras.Model.train_step(model, data)
+
+    model.train_step = my_step
+    fit([tfmixprec.LossScaleMonitor(diagnose=1)])
+    assert _chain(model.train_step) == ["guarded", "my_step"] and calls
+    calls.clear()
+    model.make_train_function(force=True)
+    fit([])
+    assert calls  # the user's step, still

@@ -388,8 +388,8 @@ def update_each_copy(updates: Sequence[tuple[Any, Any, tuple]]) -> None:
 def replace_train_step(model: Any, make_step: Any, who: str = "overflow keeper") -> None:
     """Makes `model`'s step, from its next trace on, the function `make_step(step)` returns
     for the step below it (a patch of `tfmixprec._patches`, made by `who`, over what the
-    model had: the class's `train_step`, a user's own, the state guard's); `make_step=None`
-    takes `who`'s patch out.
+    model has: the class's `train_step`, a user's own, set before or since, the state
+    guard's); `make_step=None` takes `who`'s patch out.
 
     Why: Keras traces `model.train_step` into its train function and offers no hook inside
     the step; tfmixprec's `diagnose=` keeps the batch of an overflow step there, on any model

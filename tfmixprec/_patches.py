@@ -15,13 +15,20 @@ takes it out and makes the patches above it again over what is below, so the obj
 what its remaining patches make it; once every patch is undone it is exactly as its class (and
 its own attributes) made it, with no marker left (`tests/test_patches.py`).
 
+A value written to a patched attribute from outside the registry (a user's own `train_step`
+set after tfmixprec wrapped the step) wins: the next patch or undo on that attribute finds the
+top patch's value gone, takes the written value as the object's own and retires the patches
+it replaced (their handles then do nothing), so it is never thrown away or wrapped twice.
+
 Patches are Python-side: they take effect when the object is next called (a `tf.function`
-traced before keeps what it traced, and its owner retraces). Making and undoing hold one lock,
-so replica threads tracing at once see whole stacks.
+traced before keeps what it traced, and its owner retraces). Making and undoing hold one lock;
+reading the attribute does not take it, so a patcher that patches during a call serializes
+its calls itself (`watch_float8_call` does).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +38,7 @@ __all__: list[str] = []  # private module: nothing here is part of the package's
 _STACKS = "_tfmixprec_patches"  # on a patched object: {attribute: _Stack}, while any is made
 _ABSENT = object()  # the object had no attribute of its own: the class's shows through
 _LOCK = threading.RLock()
+_ORDER = itertools.count()  # the order patches are made in, across attributes
 
 
 class Patch:
@@ -39,12 +47,15 @@ class Patch:
     Attributes:
         target: The object patched.
         attribute: String. The attribute replaced.
-        who: String. What made it (`"cpu_float16 route"`, `"overflow keeper"`, ...).
+        who: String. What made it (`"cpu route float32 product"`, `"overflow keeper"`, ...).
+        active: Bool. False once undone, or retired by a value written from outside.
     """
 
     def __init__(self, target: Any, attribute: str, who: str, make: Callable[[Any], Any]):
         self.target, self.attribute, self.who, self.make = target, attribute, who, make
         self.active = True
+        self.value: Any = None  # what it made, last
+        self.order = next(_ORDER)
 
     def undo(self) -> None:
         """Takes this patch out (once; again does nothing). The patches made after it on the
@@ -52,8 +63,10 @@ class Patch:
         with _LOCK:
             if not self.active:
                 return
-            self.active = False
             stack = vars(self.target)[_STACKS][self.attribute]
+            if stack.retired_by_outside_write(self.target):
+                return  # a value written from outside replaced this patch already
+            self.active = False
             stack.patches.remove(self)
             stack.rebuild(self.target)
 
@@ -88,12 +101,26 @@ class _Stack:
         """The attribute made again from its own value up, through the patches left."""
         self.put(target, self.own)
         for patch in self.patches:
-            self.put(target, patch.make(getattr(target, self.attribute)))
+            patch.value = patch.make(getattr(target, self.attribute))
+            self.put(target, patch.value)
         if not self.patches:
-            stacks = vars(target)[_STACKS]
-            del stacks[self.attribute]
-            if not stacks:
-                vars(target).pop(_STACKS)
+            self.drop(target)
+
+    def drop(self, target: Any) -> None:
+        stacks = vars(target)[_STACKS]
+        del stacks[self.attribute]
+        if not stacks:
+            vars(target).pop(_STACKS)
+
+    def retired_by_outside_write(self, target: Any) -> bool:
+        """Whether a value was written to the attribute from outside the registry since the
+        top patch: then that value is the object's own, and every patch here is retired."""
+        if vars(target).get(self.attribute, _ABSENT) is self.patches[-1].value:
+            return False
+        for patch in self.patches:
+            patch.active = False
+        self.drop(target)
+        return True
 
 
 def patch(
@@ -114,12 +141,14 @@ def patch(
         `Patch`, the handle that undoes it.
     """
     with _LOCK:
-        stacks = vars(target).setdefault(_STACKS, {})
-        stack = stacks.get(attribute)
-        if stack is None:
-            stack = stacks[attribute] = _Stack(target, attribute, raw)
+        stack = vars(target).get(_STACKS, {}).get(attribute)
+        if stack is not None and stack.retired_by_outside_write(target):
+            stack = None
         handle = Patch(target, attribute, who, make)
-        stack.put(target, make(getattr(target, attribute)))
+        handle.value = make(getattr(target, attribute))  # may raise: nothing changed yet
+        if stack is None:
+            stack = vars(target).setdefault(_STACKS, {})[attribute] = _Stack(target, attribute, raw)
+        stack.put(target, handle.value)
         stack.patches.append(handle)
         return handle
 
@@ -129,12 +158,17 @@ def patches_of(target: Any, attribute: str | None = None, who: str | None = None
     order they were made."""
     with _LOCK:
         stacks = vars(target).get(_STACKS, {})
-        found = [p for name, stack in stacks.items() for p in stack.patches]
-    return [
-        p
-        for p in found
-        if (attribute is None or p.attribute == attribute) and (who is None or p.who == who)
-    ]
+        for stack in list(stacks.values()):
+            stack.retired_by_outside_write(target)
+        found = [p for stack in stacks.values() for p in stack.patches]
+    return sorted(
+        (
+            p
+            for p in found
+            if (attribute is None or p.attribute == attribute) and (who is None or p.who == who)
+        ),
+        key=lambda p: p.order,
+    )
 
 
 def undo_all(target: Any, attribute: str | None = None, who: str | None = None) -> int:
