@@ -154,7 +154,11 @@ def test_layer_names_full_and_short():
     full, short = layer_names(model), layer_names(model, short=True)
     named = {layer.name: layer for layer in model.layers}
     assert full[id(inner.layers[-1])] == "block/dense" and full[id(named["dense"])] == "dense"
-    assert short[id(inner.layers[-1])] == "block/dense" and short[id(named["head"])] == "head"
+    assert short[id(named["head"])] == "head"
+    # Repeated names: Keras's path where it is unique (the float8 reports' form), else the full.
+    paths = {inner.layers[-1].path, named["dense"].path}
+    expected = paths if len(paths) == 2 else {"block/dense", "dense"}
+    assert {short[id(inner.layers[-1])], short[id(named["dense"])]} == expected
     assert len(set(full.values())) == len(full) and len(set(short.values())) == len(short)
     with pytest.raises(TypeError, match="short must be True or False"):
         layer_names(model, short="yes")

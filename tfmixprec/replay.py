@@ -147,17 +147,25 @@ def layer_names(model: keras.Model, short: bool = False) -> dict[int, str]:
     parent's `__init__`. Names left equal get `#2`, `#3`, ... in the model's order.
 
     The short form (`short=True`; `explain_overflow`, the float8 reports): the layer's own
-    name where no other layer of the model has it, else its full form.
+    name where no other layer of the model has it, else Keras's `layer.path` where no other
+    layer has that (`"gpt2_backbone/transformer_layer_1/self_attention/query"`, as the float8
+    reports have always printed it), else its full form.
     """
     check_bool("short", short)
     keys = _full_names(model)
     if not short:
         return keys
-    counts = collections.Counter(layer.name for layer in all_layers(model))
-    return {
-        id(layer): layer.name if counts[layer.name] == 1 else keys[id(layer)]
-        for layer in all_layers(model)
-    }
+    layers = all_layers(model)
+    names = collections.Counter(layer.name for layer in layers)
+    paths = collections.Counter(getattr(layer, "path", None) for layer in layers)
+
+    def short_name(layer: Any) -> str:
+        if names[layer.name] == 1:
+            return layer.name
+        path = getattr(layer, "path", None)
+        return path if path is not None and paths[path] == 1 else keys[id(layer)]
+
+    return {id(layer): short_name(layer) for layer in layers}
 
 
 def _full_names(model: keras.Model) -> dict[int, str]:
