@@ -13,7 +13,8 @@ from overflow_models import model as _model
 
 import tfmixprec
 from tfmixprec._layers import iter_layers
-from tfmixprec.calibration import Replayer, calibration_batches, layer_key
+from tfmixprec.calibration import Replayer, calibration_batches
+from tfmixprec.replay import layer_names
 
 _BIG = keras.initializers.Constant(10000.0)
 
@@ -42,7 +43,7 @@ def test_the_float32_set_is_exact_and_minimal(kind):
     found = tuple(re.sub(r"_\d+$", "", name) for name in report.float32_layers)
     assert (found, report.cause) == (EXPECTED[kind], "forward-overflow")
     # Minimal: finite with the set, not finite without any one of its layers.
-    layers = {layer_key(model, layer): layer for layer in iter_layers(model)}
+    layers = {layer_names(model)[id(layer)]: layer for layer in iter_layers(model)}
     chosen = [layers[path] for path in report.float32_layers]
     replayer = Replayer(
         model, calibration_batches(_data(kind), 1, 32), keras.losses.MeanSquaredError()
@@ -197,7 +198,7 @@ def test_a_dataset_and_a_kerashub_model():
     assert (report.batches, report.float32_layers, report.cause) == (2, (), "none")
     # Every layer has its own name in a report: KerasHub's dropouts, made in their block's
     # __init__, share names across blocks and have no parent in their path.
-    keys = tfmixprec.calibration.layer_keys(model)
+    keys = layer_names(model)
     assert len(set(keys.values())) == len(keys) == len(iter_layers(model)) + 1
     assert f"{model.backbone.name}/transformer_layer_0/feedforward_dropout" in keys.values()
     assert report.initial_scale == 2.0**15 and report.keras_start_skips == 0
@@ -360,5 +361,5 @@ def test_a_layer_shared_by_the_model_and_a_nested_model_is_named_once():
     inputs = keras.Input((8,))
     outputs = keras.layers.Dense(1, name="out")(keras.layers.Add()([shared(inputs), sub(inputs)]))
     model = keras.Model(inputs, outputs)
-    keys = tfmixprec.calibration.layer_keys(model)
+    keys = layer_names(model)
     assert keys[id(shared)] == "sub/shared" and len(set(keys.values())) == len(keys)

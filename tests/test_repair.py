@@ -17,7 +17,7 @@ from tensorflow.python.framework import ops as tf_ops
 
 import tfmixprec
 from tfmixprec._layers import iter_layers
-from tfmixprec.calibration import layer_key, layer_keys
+from tfmixprec.replay import layer_names
 from tfmixprec.testing import run_workers
 
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -125,9 +125,9 @@ def test_a_kerashub_model_compiled_the_ordinary_way():
         model = zoo.model
         model.compile(keras.optimizers.SGD(1e-4), zoo.loss)
     end = "transformer_layer_0/feedforward_intermediate_dense"
-    name = next(key for key in layer_keys(model).values() if key.endswith(end))
+    name = next(key for key in layer_names(model).values() if key.endswith(end))
     assert name.startswith(model.backbone.name)  # the backbone, its block, the layer
-    layer = next(layer for layer in iter_layers(model) if layer_key(model, layer) == name)
+    layer = next(layer for layer in iter_layers(model) if layer_names(model)[id(layer)] == name)
     layer.kernel.assign(layer.kernel * 3000.0)
     x, y, weights = zoo.data(8)
     repair = tfmixprec.PrecisionRepair(verbose=0)

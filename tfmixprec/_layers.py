@@ -51,6 +51,12 @@ def iter_layers(model: keras.Model) -> list[Any]:
     return all_sublayers(model)
 
 
+def all_layers(model: Any) -> list[Any]:
+    """`model` itself, then all its layers, nested ones included (`iter_layers`); for a plain
+    layer, the layer and the layers nested in it."""
+    return [model, *iter_layers(model)]
+
+
 def is_container(layer: Any) -> bool:
     """True for a layer that holds layers of its own (a nested model), False for a leaf."""
     return bool(getattr(layer, "layers", None))
@@ -60,7 +66,7 @@ def variable_owners(model: keras.Model) -> dict[int, Any]:
     """`id(variable) -> the innermost layer that holds it` (a nested layer is walked after the
     layer around it, so it wins), for the trainable variables of a built model."""
     owners = {}
-    for layer in [model, *iter_layers(model)]:
+    for layer in all_layers(model):
         for variable in layer.trainable_variables:
             owners[id(variable)] = layer
     return owners

@@ -25,7 +25,7 @@ from tfmixprec._keras_compat import (
     producing_output_index,
     set_call_losses,
 )
-from tfmixprec._layers import CALLS_LOCK, iter_layers, watch_leaf_calls
+from tfmixprec._layers import CALLS_LOCK, all_layers, watch_leaf_calls
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
@@ -172,7 +172,7 @@ def state_put_back(model: keras.Model) -> Iterator[None]:
     inference call changes no weight, but a stateful RNN's states, a random layer's seed or a
     layer's own counters it may. Only variables that are not trainable are copied (a large
     model's weights are not doubled); RNN states, which Keras does not track, included."""
-    layers = [model, *iter_layers(model)]
+    layers = all_layers(model)
     trainable = {id(variable) for variable in model.trainable_variables}
     variables = [v for v in model.variables if id(v) not in trainable]
     for layer in layers:

@@ -25,10 +25,10 @@ The set is found by replaying, not guessed from layer types (`float32_set`, whic
 
 A value counts as overflowing from a quarter of its dtype's largest value on (`HEADROOM`).
 
-Replays run in training mode, as the step runs the model (batch normalization on the batch's
-own statistics: a fresh layer's moving statistics would pass its inputs through unchanged),
-and the model's state is put back after each (moving statistics, dropout seeds): no weight,
-optimizer slot, statistic or loss scale changes.
+Replays run through `tfmixprec.replay`, in its training mode (`replay.TRAINING`: as the step
+runs the model, the same mode `explain_overflow` replays in; batch normalization on the batch's
+own statistics, dropout on), and the model's state is put back after each (moving statistics,
+dropout seeds): no weight, optimizer slot, statistic or loss scale changes.
 """
 
 from __future__ import annotations
@@ -45,25 +45,25 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmixprec._arrays import float_array, float_arrays, nonfinite_count
+from tfmixprec._arrays import float_array, float_arrays
 from tfmixprec._dtypes import DTYPE_MAX, FLOAT16_MAX
-from tfmixprec._keras_compat import all_sublayers, float8_replayed
+from tfmixprec._keras_compat import all_sublayers
 from tfmixprec._layers import (
+    all_layers,
     check_built_model,
     compiled_loss,
     iter_layers,
-    loss_value,
     mark_float32,
     variable_owners,
-    watch_leaf_calls,
 )
-from tfmixprec._observe import policies_swapped, state_put_back
+from tfmixprec._observe import policies_swapped
 from tfmixprec._text import docs_page, jsonable, markdown_table
 from tfmixprec._validate import check_bool, check_int_at_least_one
 from tfmixprec.float8 import is_float8
 from tfmixprec.gradient_range import gradient_range_stats
-from tfmixprec.loss_scale import LossScaleConfig, format_scale, multiply
+from tfmixprec.loss_scale import LossScaleConfig, format_scale
 from tfmixprec.policy import PolicyChange, compute_in_float32
+from tfmixprec.replay import TRAINING, bad_data, computes_in, layer_names, replay
 
 __all__ = ["CalibrationReport", "LayerCalibration", "calibrate"]
 
@@ -145,13 +145,21 @@ def _dtype_name(value: Any) -> str:
 
 
 class Replayer:
-    """Replays `batches` of `model` with `loss_fn`: forward in training mode and backward of
-    the loss times a scale, with chosen layers (or all: `everything=True`) in float32."""
+    """Replays `batches` of `model` with `loss_fn` (`replay.replay`, in `training` mode: the
+    step's, `replay.TRAINING`, by default): forward and backward of the loss times a scale,
+    with chosen layers (or all: `in_float32`) in float32."""
 
-    def __init__(self, model: keras.Model, batches: Sequence[tuple], loss_fn: Callable) -> None:
+    def __init__(
+        self,
+        model: keras.Model,
+        batches: Sequence[tuple],
+        loss_fn: Callable,
+        training: bool = TRAINING,
+    ) -> None:
         self.model, self.batches, self.loss_fn = model, list(batches), loss_fn
+        self.training = check_bool("training", training)
         # Each layer's own compute dtype (a replay swaps some to float32), for the messages.
-        self.dtypes = {id(layer): layer.compute_dtype for layer in [model, *iter_layers(model)]}
+        self.dtypes = {id(layer): layer.compute_dtype for layer in all_layers(model)}
         self._float32: dict[int, tuple[_Run, ...]] = {}
 
     def run(
@@ -159,21 +167,11 @@ class Replayer:
     ) -> _Run:
         """One replay with `float32` in float32 (`float32_swapped`; `plain`: float8 layers
         without their quantization too), float8 layers differentiated eagerly."""
-        x, y, sample_weight = batch
         calls: list[_Call] = []
         record = lambda layer, args, result: calls.append(_call(layer, args, result))  # noqa: E731
-        model = self.model
-        with float32_swapped(list(float32), plain), state_put_back(model):
-            with (
-                watch_leaf_calls(model, record),
-                float8_replayed(iter_layers(model), lambda *_: None, lambda layer, x: x),
-            ):
-                with tf.GradientTape() as tape:
-                    y_pred = model(x, training=True)  # as the step runs it (batch statistics)
-                    loss = loss_value(self.loss_fn, y, y_pred, sample_weight)
-                    scaled = multiply(loss, scale)
-                grads = tape.gradient(scaled, model.trainable_variables)
-        return _Run(tuple(calls), float(loss.numpy()), tuple(grads))
+        with float32_swapped(list(float32), plain):
+            done = replay(self.model, batch, self.loss_fn, scale, record, training=self.training)
+        return _Run(tuple(calls), done.loss, done.grads)
 
     def all_runs(self, scale: float, float32: Sequence[Any] = ()) -> list[_Run]:
         return [self.run(batch, scale, float32) for batch in self.batches]
@@ -182,7 +180,7 @@ class Replayer:
         """Batch `index` with every layer in float32, float8 ones without their quantization,
         at scale 1 (kept: asked often)."""
         if index not in self._float32:
-            everything = [self.model, *iter_layers(self.model)]
+            everything = all_layers(self.model)
             self._float32[index] = (self.run(self.batches[index], 1.0, everything, True),)
         return self._float32[index][0]
 
@@ -302,19 +300,6 @@ def _runnable(replayer: Replayer, chosen: list[Any], fix: list[tuple[Any, str]])
     )
 
 
-def bad_data(batch: tuple) -> str | None:
-    """What NaN/Inf the batch's inputs, labels or sample weights hold, or None."""
-    for name, value in zip(("inputs", "labels", "sample weights"), batch):
-        bad = nonfinite_count(value)
-        if bad:
-            return (
-                f"the batch's {name} hold {bad} NaN/Inf values: no float32 layer and no loss "
-                "scale can fix this. Clean or filter the data (dataset.filter on "
-                "tf.math.is_finite)."
-            )
-    return None
-
-
 def _next_fix(replayer: Replayer, chosen: list[Any]) -> tuple[str, Any] | None:
     """The next layers to add, as `(cause, [(layer, why), ...])`, or `(cause, problem)` for
     what float32 layers cannot fix, or None when every batch is finite."""
@@ -424,37 +409,6 @@ def _prune(replayer: Replayer, chosen: list[tuple[Any, str]]) -> list[tuple[Any,
 
 
 # ------------------------------------------------------------------ the report
-def layer_keys(model: keras.Model) -> dict[int, str]:
-    """How reports name each layer of `model` (`id(layer) -> name`): the names of the layers
-    it is nested in, then its own (`"gpt2_backbone/transformer_layer_0/feedforward_dropout"`;
-    a layer of the model itself: its name). KerasHub's blocks give their sublayers the same
-    names in every block, and Keras's own `path` leaves out the parent of a layer made in its
-    parent's `__init__`. Names left equal get `#2`, `#3`, ... in the model's order."""
-    inner: dict[int, tuple[int, Any]] = {}  # id -> (descendants, innermost parent)
-    for outer in iter_layers(model):
-        parts = all_sublayers(outer)
-        for part in parts:
-            if id(part) not in inner or len(parts) < inner[id(part)][0]:
-                inner[id(part)] = (len(parts), outer)
-
-    def nested(layer: Any) -> str:  # a layer shared by the model and a nested model: nested
-        parent = inner.get(id(layer), (0, None))[1]
-        return layer.name if parent is None else f"{nested(parent)}/{layer.name}"
-
-    keys: dict[int, str] = {id(model): model.name}
-    seen: dict[str, int] = {}
-    for layer in iter_layers(model):
-        key = nested(layer)
-        seen[key] = seen.get(key, 0) + 1
-        keys[id(layer)] = key if seen[key] == 1 else f"{key}#{seen[key]}"
-    return keys
-
-
-def layer_key(model: keras.Model, layer: Any) -> str:
-    """The name reports give `layer` of `model` (see `layer_keys`)."""
-    return layer_keys(model)[id(layer)]
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerCalibration:
     """One leaf layer over the calibration batches.
@@ -555,8 +509,8 @@ class CalibrationReport:
         return changes
 
     def _layers_of(self, model: keras.Model) -> list[Any]:
-        keys = layer_keys(model)
-        found = {keys[id(layer)]: layer for layer in [model, *iter_layers(model)]}
+        keys = layer_names(model)
+        found = {keys[id(layer)]: layer for layer in all_layers(model)}
         missing = [path for path in self.float32_layers if path not in found]
         if missing:
             raise ValueError(
@@ -782,7 +736,7 @@ def calibrate(
         else []
     )
     gradient_max = _float16_gradient_max(model, reference, layers)
-    if found.cause == "bad-data" or not _computes_in_float16(model):
+    if found.cause == "bad-data" or not computes_in(model, "float16"):
         scale, skips, keras_skips = 1.0, 0, 0
     else:
         scale = starting_scale(replayer, layers, gradient_max)
@@ -790,7 +744,7 @@ def calibrate(
         keras_skips = _skips(replayer, layers, KERAS_START)
     return CalibrationReport(
         initial_scale=scale,
-        float32_layers=tuple(layer_keys(model)[id(layer)] for layer in layers),
+        float32_layers=tuple(layer_names(model)[id(layer)] for layer in layers),
         reasons=tuple(why for _, why in found.layers),
         cause=found.cause,
         problem=found.problem,
@@ -800,10 +754,6 @@ def calibrate(
         batches=len(batches),
         layers=tuple(_layer_rows(replayer, reference, scale)) if reference else (),
     )
-
-
-def _computes_in_float16(model: keras.Model) -> bool:
-    return any(layer.compute_dtype == "float16" for layer in [model, *iter_layers(model)])
 
 
 def _float16_gradient_max(model: keras.Model, runs: list[_Run], float32: list[Any]) -> float:
@@ -819,7 +769,7 @@ def _float16_gradient_max(model: keras.Model, runs: list[_Run], float32: list[An
 
 
 def _layer_by_id(model: keras.Model, key: int) -> Any:
-    return next(layer for layer in [model, *iter_layers(model)] if id(layer) == key)
+    return next(layer for layer in all_layers(model) if id(layer) == key)
 
 
 def _paper_scale(gradient_max: float) -> float:
@@ -889,7 +839,7 @@ def _layer_rows(replayer: Replayer, reference: list[_Run], scale: float) -> list
             row[4] = max(row[4], call32.max_abs if not call32.bad else math.inf)
             row[5], row[6] = row[5] + call32.past + call32.bad, row[6] + call32.size
     grads = _grads_by_layer(model, reference)
-    keys = layer_keys(model)
+    keys = layer_names(model)
     rows = []
     for layer, dtype, biggest, bad, biggest32, past, size in outputs.values():
         mine = grads.get(id(layer), [])

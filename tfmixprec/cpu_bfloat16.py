@@ -42,7 +42,7 @@ from tfmixprec._keras_compat import (
     float32_convolution_call,
     reverse_called,
 )
-from tfmixprec._layers import iter_layers
+from tfmixprec._layers import all_layers
 from tfmixprec.hardware import HardwareInfo, detect_hardware
 
 __all__ = [
@@ -154,7 +154,7 @@ def served_layers(
     while the routes are disabled)."""
     routes = routes_on(hardware) if _STATE["enabled"] else []
     found = []
-    for layer in [model, *iter_layers(model)]:  # a single layer works too
+    for layer in all_layers(model):  # a single layer works too
         if layer.compute_dtype != "bfloat16":
             continue
         for candidate in routes:

@@ -35,7 +35,7 @@ from tfmixprec._keras_compat import (
     float32_convolution_call,
     float32_product_call,
 )
-from tfmixprec._layers import iter_layers
+from tfmixprec._layers import all_layers
 from tfmixprec.hardware import HardwareInfo
 
 __all__ = [
@@ -123,7 +123,7 @@ def _float32_method(layer: Any) -> tuple[str, Any] | None:
 def _product_layers(model: keras.Model) -> list[Any]:
     return [
         layer
-        for layer in [model, *iter_layers(model)]  # a single layer works too
+        for layer in all_layers(model)  # a single layer works too
         if layer.compute_dtype == "float16" and _float32_method(layer) is not None
     ]
 

@@ -1,7 +1,9 @@
 """Why a step overflowed: replay one batch outside the training step and name the cause.
 
-`explain_overflow(model, batch)` runs the batch again, in inference mode, and changes no
-weight, optimizer slot or loss scale. It looks, in this order, for:
+`explain_overflow(model, batch)` runs the batch again (`tfmixprec.replay`), in training mode as
+the step runs it (`replay.TRAINING`, the mode `calibrate` and `PrecisionRepair` replay in too:
+batch normalization on the batch's statistics, dropout on), with the model's state put back,
+and changes no weight, statistic, optimizer slot or loss scale. It looks, in this order, for:
 
 - `bad-data`: NaN/Inf already in the inputs, labels or sample weights;
 - `forward-overflow`: the first layer (in the order the forward pass runs them) whose output
@@ -39,22 +41,15 @@ import tensorflow as tf
 
 from tfmixprec._arrays import float_arrays, nonfinite_count
 from tfmixprec._dtypes import DTYPE_MAX, FLOAT8_MAX, FLOAT32_MAX
-from tfmixprec._keras_compat import float8_replayed
-from tfmixprec._layers import (
-    check_built_model,
-    compiled_loss,
-    iter_layers,
-    loss_value,
-    variable_owners,
-    watch_leaf_calls,
-)
+from tfmixprec._layers import all_layers, check_built_model, compiled_loss, variable_owners
 from tfmixprec._observe import policies_swapped
 from tfmixprec._text import jsonable, markdown_table
 from tfmixprec._validate import check_float32_scale
 from tfmixprec.float8 import TENSORS, gradient_watched, is_float8, quantization_counts
 from tfmixprec.gradient_range import gradient_range_stats
-from tfmixprec.loss_scale import format_scale, multiply
+from tfmixprec.loss_scale import format_scale
 from tfmixprec.overflow_batches import KeptBatch, OverflowBatches  # noqa: F401 (re-exported)
+from tfmixprec.replay import bad_data, computes_in, layer_names, replay
 
 __all__ = [
     "Float8Quantized",
@@ -291,8 +286,9 @@ class _Float8Counts:
         amax = math.nan if math.isnan(amax) or math.isnan(total[2]) else max(amax, total[2])
         total[2:] = [amax, total[3] + values, total[4] + saturated, total[5] + flushed]
 
-    def records(self) -> tuple[Float8Replay, ...]:
-        """The layers whose quantization saturated or flushed a value, in forward order."""
+    def records(self, names: dict[int, str]) -> tuple[Float8Replay, ...]:
+        """The layers whose quantization saturated or flushed a value, in forward order, named
+        by `names` (`replay.layer_names`)."""
         found = []
         for key, layer in self.layers.items():
             tensors = {  # no gradient reached its output: nothing quantized there
@@ -304,7 +300,7 @@ class _Float8Counts:
                 for name, scale, _, fmt in TENSORS
             }
             if any(t.saturated or t.flushed for t in tensors.values()):
-                found.append(Float8Replay(layer.name, layer.dtype_policy.name, **tensors))
+                found.append(Float8Replay(names[key], layer.dtype_policy.name, **tensors))
         return tuple(found)
 
 
@@ -315,19 +311,21 @@ def _value(variable: Any) -> float:
 @dataclasses.dataclass
 class _Pass:
     """One replay: per layer call, (layer, compute dtype, output stats, input stats); the stats
-    are (largest finite |x|, NaN count, Inf count); the float8 layers' quantization."""
+    are (largest finite |x|, NaN count, Inf count); the float8 layers' quantization; how the
+    report names each layer (`replay.layer_names`, short)."""
 
     calls: list[tuple[Any, str, tuple[float, int, int], tuple[float, int, int]]]
     y_pred: Any
     loss: float
     grads: list[Any]
     float8: _Float8Counts
+    names: dict[int, str]
 
 
 def _replay(model: keras.Model, data: tuple, loss_fn: Callable, scale: float) -> _Pass:
-    """Forward (inference mode) and backward of the loss times `scale`, watching each layer
-    (and what quantizing does to the tensors of float8 layers)."""
-    x, y, sample_weight = data
+    """Forward (`replay.replay`, in the step's training mode, the state put back) and backward
+    of the loss times `scale`, watching each layer (and what quantizing does to the tensors of
+    float8 layers)."""
     calls: list[tuple[Any, str, tuple[float, int, int], tuple[float, int, int]]] = []
     float8 = _Float8Counts()
 
@@ -337,19 +335,14 @@ def _replay(model: keras.Model, data: tuple, loss_fn: Callable, scale: float) ->
     def seen(layer: Any, args: tuple, result: Any) -> None:
         float8.forward(layer, args[0])
 
-    variables = model.trainable_variables
-    with watch_leaf_calls(model, record), float8_replayed(iter_layers(model), seen, float8.output):
-        with tf.GradientTape() as tape:
-            y_pred = model(x, training=False)
-            loss = loss_value(loss_fn, y, y_pred, sample_weight)
-            scaled = multiply(loss, scale)
-        grads = tape.gradient(scaled, variables)
-    return _Pass(calls, y_pred, float(loss.numpy()), grads, float8)
+    done = replay(model, data, loss_fn, scale, record, (seen, float8.output))
+    names = layer_names(model, short=True)
+    return _Pass(calls, done.y_pred, done.loss, list(done.grads), float8, names)
 
 
 def _in_float32(model: keras.Model, run: Callable[[], _Pass]) -> _Pass:
     """`run()` with every layer of `model` computing in float32; the policies restored after."""
-    with policies_swapped([model, *iter_layers(model)], "float32"):
+    with policies_swapped(all_layers(model), "float32"):
         return run()
 
 
@@ -391,7 +384,7 @@ def _layer_rows(model: keras.Model, run: _Pass, run32: _Pass) -> list[LayerRepla
         if row is None:
             bad, under = grad_rows.get(id(layer), (0, 0.0))
             rows[id(layer)] = LayerReplay(
-                layer.name, dtype, biggest, nan, inf, float32_max, bad, under
+                run.names[id(layer)], dtype, biggest, nan, inf, float32_max, bad, under
             )
         else:
             rows[id(layer)] = dataclasses.replace(
@@ -402,19 +395,6 @@ def _layer_rows(model: keras.Model, run: _Pass, run32: _Pass) -> list[LayerRepla
                 float32_max_abs=max(row.float32_max_abs, float32_max),
             )
     return list(rows.values())
-
-
-def _bad_data(data: tuple) -> OverflowDiagnosis | None:
-    for name, value in zip(("inputs", "labels", "sample weights"), data):
-        bad = nonfinite_count(value)
-        if bad:
-            return _verdict(
-                "bad-data",
-                None,
-                f"the batch's {name} hold {bad} NaN/Inf values: no loss scale can fix this. "
-                "Clean or filter the data (e.g. dataset.filter on tf.math.is_finite).",
-            )
-    return None
 
 
 def _forward_advice(dtype: str, float32_max: float, float8: bool = False) -> str:
@@ -472,7 +452,9 @@ def _forward_source(run: _Pass, run32: _Pass) -> OverflowDiagnosis | None:
         if not (in_nan or in_inf):
             advice = _forward_advice(dtype, _float32_max(call32[2]), is_float8(layer))
             return _verdict(
-                "forward-overflow", layer.name, f"{nan + inf} NaN/Inf in its output; {advice}"
+                "forward-overflow",
+                run.names[id(layer)],
+                f"{nan + inf} NaN/Inf in its output; {advice}",
             )
     if bad:
         (layer, _, (_, nan, inf), _), call32 = bad[0]
@@ -480,7 +462,7 @@ def _forward_source(run: _Pass, run32: _Pass) -> OverflowDiagnosis | None:
         low = next((c[1] for c in run.calls if c[1] != "float32"), "float32")
         advice = _input_advice(low, input_max)
         return _verdict(
-            "forward-overflow", layer.name, f"{nan + inf} NaN/Inf in its output; {advice}"
+            "forward-overflow", run.names[id(layer)], f"{nan + inf} NaN/Inf in its output; {advice}"
         )
     if not _all_finite(run.y_pred):
         return _verdict(
@@ -577,9 +559,11 @@ def explain_overflow(
 ) -> OverflowDiagnosis:
     """Replays one batch and says why its step overflowed (or would), naming the layer.
 
-    Runs the batch forward (inference mode: dropout off, batch-norm statistics not updated)
-    and backward once in the model's dtypes and once in float32, outside the training step;
-    changes no weight, optimizer slot or loss scale.
+    Runs the batch forward and backward once in the model's dtypes and once in float32,
+    outside the training step, in training mode as the step runs it (batch normalization on
+    the batch's statistics, dropout on: the mode `calibrate` and `PrecisionRepair` replay in),
+    with the model's state put back: changes no weight, statistic, seed, optimizer slot or
+    loss scale.
 
     Args:
         model: A built `keras.Model` (compiled, unless `loss_fn` is given).
@@ -618,16 +602,16 @@ def explain_overflow(
     _check_arguments(data, scale, loss_fn)
     loss_fn = loss_fn if loss_fn is not None else compiled_loss(model, "explain_overflow")
     scale = _scale_of(model, scale)
-    bad = _bad_data(data)
+    bad = bad_data(data)
     if bad is not None:
-        return dataclasses.replace(bad, loss_scale=scale)
+        return dataclasses.replace(_verdict("bad-data", None, bad), loss_scale=scale)
     replay = lambda s: _replay(model, data, loss_fn, s)  # noqa: E731
     run = replay(scale)
     run32 = _in_float32(model, lambda: replay(scale))
     rows = _layer_rows(model, run, run32)
     verdict = _classify(run, run32, rows, replay, scale)
     underflow = gradient_range_stats([g for g in run32.grads if g is not None]).underflow_fraction
-    if verdict.cause == "none" and underflow >= UNDERFLOW_SHARE and _computes_in_float16(model):
+    if verdict.cause == "none" and underflow >= UNDERFLOW_SHARE and computes_in(model, "float16"):
         verdict = _verdict(
             "underflow",
             None,
@@ -635,7 +619,7 @@ def explain_overflow(
             "flush to zero in float16; a larger loss scale (or dynamic scaling) keeps them.",
         )
     return dataclasses.replace(
-        _with_float8(verdict, run.float8.records()),
+        _with_float8(verdict, run.float8.records(run.names)),
         loss_scale=scale,
         loss=run.loss,
         scaled_loss=run.loss * scale,
@@ -658,9 +642,3 @@ def _with_float8(verdict: OverflowDiagnosis, records: tuple) -> OverflowDiagnosi
         "delayed scaling sets those from the amax of earlier steps."
     )
     return dataclasses.replace(verdict, message=verdict.message + said, float8=records)
-
-
-def _computes_in_float16(model: keras.Model) -> bool:
-    """Whether a layer of `model` computes in float16: only there do gradients below 2^-24
-    flush to zero (bfloat16 and float32 keep them)."""
-    return any(layer.compute_dtype == "float16" for layer in [model, *iter_layers(model)])

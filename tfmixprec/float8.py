@@ -18,7 +18,6 @@ every such layer, the float32 output layer included, and shows nothing of what h
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import warnings
@@ -38,6 +37,7 @@ from tfmixprec._observe import Observation, observe
 from tfmixprec._text import docs_page
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.policy import LOW_PRECISION, float32_reason
+from tfmixprec.replay import layer_names
 
 __all__ = [
     "Float8Change",
@@ -65,8 +65,9 @@ class Float8Change:
     """One layer `float8_layers` quantized.
 
     Attributes:
-        layer: String. The layer's name, or its path (`layer.path`) where the model has
-            another layer of that name (a KerasHub model has a `query` in every block).
+        layer: String. The layer's name, or its path (the layers it is nested in, then its
+            name: `replay.layer_names`) where the model has another layer of that name (a
+            KerasHub model has a `query` in every block).
         old: String. Its policy before (`mixed_bfloat16`, ...).
         new: String. Its policy now (`float8_from_mixed_bfloat16`, ...).
         dims: Tuple `(K, N)`. Its matmul's contracted and output dimensions.
@@ -76,14 +77,6 @@ class Float8Change:
     old: str
     new: str
     dims: tuple[int, int]
-
-
-def layer_labels(model: keras.Model) -> dict[int, str]:
-    """How the float8 reports name each layer of `model` (by `id`): its name, or its path
-    where another layer of the model has the same name."""
-    layers = iter_layers(model)
-    counts = collections.Counter(layer.name for layer in layers)
-    return {id(x): x.name if counts[x.name] == 1 else x.path for x in layers}
 
 
 def is_float8(layer: Any) -> bool:
@@ -241,7 +234,7 @@ def float8_layers(model: keras.Model, exclude: Sequence[str] = ()) -> list[Float
     exclude = _check_exclude(model, exclude)
     _check_can_quantize(model)
     chosen = [layer for layer, reason in float8_plan(model, exclude) if reason is None]
-    changes, labels = [], layer_labels(model)
+    changes, labels = [], layer_names(model, short=True)
     for layer in chosen:
         old, dims = layer.dtype_policy.name, matmul_dims(layer)
         unroute(layer)  # a float16 CPU route would compute it without float8
@@ -493,7 +486,7 @@ def float8_stats(model: keras.Model) -> list[Float8LayerStats]:
     0
     """
     applied = _applied_steps(model)
-    labels = layer_labels(model)
+    labels = layer_names(model, short=True)
     return [
         _layer_stats(layer, labels[id(layer)], applied)
         for layer in iter_layers(model)

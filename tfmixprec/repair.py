@@ -37,14 +37,13 @@ import tensorflow as tf
 
 from tfmixprec._fit_reader import FitReader
 from tfmixprec._keras_compat import make_train_function
-from tfmixprec._layers import compiled_loss, iter_layers, mark_float32
+from tfmixprec._layers import all_layers, compiled_loss, mark_float32
 from tfmixprec._text import docs_page
 from tfmixprec._validate import check_int_at_least_one
 from tfmixprec.calibration import (
     Float32Set,
     Replayer,
     float32_set,
-    layer_keys,
     move_to_float32,
     starting_scale,
     warn_not_recorded,
@@ -52,6 +51,7 @@ from tfmixprec.calibration import (
 from tfmixprec.float8 import is_float8
 from tfmixprec.loss_scale import format_scale
 from tfmixprec.overflow_batches import keep_for_callbacks, stop_keeping_for_callbacks
+from tfmixprec.replay import layer_names
 
 __all__ = ["PrecisionRepair", "Repair"]
 
@@ -253,7 +253,7 @@ class PrecisionRepair(keras.callbacks.Callback):
         scale = _least(self.model, _scale_with(replayer, layers, step) if layers else 0.0)
         if found.cause == "none":
             return  # the scaled gradients overflowed: the dynamic scale absorbs it
-        keys = layer_keys(self.model)
+        keys = layer_names(self.model)
         message = found.problem or f"{keys[id(layers[0])]!r}: {found.layers[0][1]}"
         names = tuple(keys[id(layer)] for layer in layers)
         float8 = tuple(keys[id(layer)] for layer in layers if is_float8(layer))
@@ -327,7 +327,7 @@ def _least(model: Any, scale: float) -> float:
 
 
 def _agreed_verdict(model: Any, strategy: Any, found: Float32Set) -> Float32Set:
-    everything = [model, *iter_layers(model)]
+    everything = all_layers(model)
     chosen = {id(layer) for layer, _ in found.layers}
     votes = [float(found.cause == cause) for cause in _CAUSES]
     votes += [float(id(layer) in chosen) for layer in everything]
