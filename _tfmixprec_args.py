@@ -7,7 +7,7 @@ silenced).
 part of the package and imports nothing of TensorFlow, Keras or tfmixprec at all
 (`tests/test_package.py` checks it), so `tfmixprec --help`, `tfmixprec demo --help` and usage
 errors answer before TensorFlow is loaded. Two modules read it: the console script
-(`_tfmixprec_cli`) and the package's command module (`tfmixprec.cli`); it reads neither.
+(`_tfmixprec_cli`) and the package's command module (`tfmixprec.tools.cli`); it reads neither.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 It parses the arguments with `_tfmixprec_args.build_parser` before anything imports
 TensorFlow, so `tfmixprec --help` and usage errors answer in about 0.05 s; then it starts
-TensorFlow with its start-up log lines silenced and runs the subcommand from `tfmixprec.cli`,
-which owns the subcommands and their exit codes. The imports run one way: this module reads
-`_tfmixprec_args` and `tfmixprec.cli`; `tfmixprec.cli` reads `_tfmixprec_args`; none reads
-this module.
+TensorFlow with its start-up log lines silenced and runs the subcommand from
+`tfmixprec.tools.cli`, which owns the subcommands and their exit codes. The imports run one
+way: this module reads `_tfmixprec_args` and `tfmixprec.tools.cli`; `tfmixprec.tools.cli`
+reads `_tfmixprec_args`; none reads this module.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     raises `SystemExit(2)` before TensorFlow is imported."""
     args = build_parser().parse_args(argv)  # --help and usage errors end here, quickly
     start_tensorflow()
-    from tfmixprec import cli
+    from tfmixprec.tools import cli
 
     return cli.run_parsed(args)
 

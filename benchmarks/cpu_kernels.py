@@ -22,7 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
 
-from tfmixprec.bench import describe_machine  # noqa: E402
+from tfmixprec.tools.bench import describe_machine  # noqa: E402
 
 DTYPES = ("float32", "float16", "bfloat16")
 

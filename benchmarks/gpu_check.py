@@ -143,7 +143,7 @@ def _dataset(entry: Any, batch: int) -> Any:
 def build(row: Variant, args: argparse.Namespace) -> None:
     """Builds, quantizes (float8) and compiles `row`'s model; sets its data and note."""
     import tfmixprec
-    from tfmixprec import zoo
+    from tfmixprec.tools import zoo
 
     policy = {"float8": "mixed_bfloat16", KERAS_LSO: "mixed_float16"}.get(row.policy, row.policy)
     with tfmixprec.policy_scope(policy):
@@ -175,7 +175,7 @@ def attempt(row: Variant, work: Any) -> None:
 def warm_up(rows: list[Variant], args: argparse.Namespace, start: float) -> None:
     """Builds every row; outside `--smoke` also traces and compiles it with a short fit. Rows
     not reached within `--budget` are skipped."""
-    from tfmixprec import bench
+    from tfmixprec.tools import bench
 
     steps = max(3, args.steps // 4)
     for row in rows:
@@ -192,7 +192,7 @@ def warm_up(rows: list[Variant], args: argparse.Namespace, start: float) -> None
 def time_rounds(rows: list[Variant], args: argparse.Namespace, start: float) -> int:
     """Timed fits of every live row in alternating order, while under the budget; returns the
     number of rounds."""
-    from tfmixprec import bench
+    from tfmixprec.tools import bench
 
     rounds = 0
     while rounds < args.repeats and (rounds == 0 or time.perf_counter() - start < args.budget):

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfmixprec  # noqa: E402
-from tfmixprec.testing import host_waits  # noqa: E402
+from tfmixprec.tools.testing import host_waits  # noqa: E402
 
 try:  # two logical CPUs: a real 2-replica MirroredStrategy (before TensorFlow starts)
     _cpus = tf.config.list_physical_devices("CPU")

@@ -113,7 +113,7 @@ def worker_main(args: argparse.Namespace) -> None:
     else:  # first, before any other TensorFlow op: it reads TF_CONFIG
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         index = strategy.cluster_resolver.task_id or 0
-    from tfmixprec import bench
+    from tfmixprec.tools import bench
 
     model, dataset = build(args, strategy)
     model.fit(dataset, epochs=1, steps_per_epoch=args.check_steps, verbose=0)
@@ -128,7 +128,7 @@ def worker_main(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------ the driver
 def launch(variant: str, argv: list[str], record: str, timeout: float) -> None:
     """Runs one variant's process(es); raises with the end of stderr if one fails."""
-    from tfmixprec.testing import run_workers
+    from tfmixprec.tools.testing import run_workers
 
     command = [sys.executable, os.path.abspath(__file__), *argv]
     command += ["--worker", variant, "--record", record]
@@ -227,7 +227,7 @@ def report(args: argparse.Namespace, step_s: dict, folder: str) -> dict:
     import tensorflow as tf
 
     import tfmixprec
-    from tfmixprec import bench
+    from tfmixprec.tools import bench
 
     machine = bench.describe_machine()
     print(

@@ -88,7 +88,7 @@ def profile(args: argparse.Namespace, stack: str) -> tuple[float, collections.Co
     import tensorflow as tf
 
     import tfmixprec
-    from tfmixprec import bench, zoo
+    from tfmixprec.tools import bench, zoo
 
     policy = "float32" if stack == "float32" else "mixed_bfloat16"
     with tfmixprec.policy_scope(policy):
@@ -130,7 +130,7 @@ def table(args: argparse.Namespace, results: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from tfmixprec import bench
+    from tfmixprec.tools import bench
 
     machine = bench.describe_machine()
     print(

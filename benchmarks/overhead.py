@@ -42,7 +42,7 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.python.framework import ops as tf_ops  # noqa: E402
 
 import tfmixprec  # noqa: E402
-from tfmixprec import bench  # noqa: E402
+from tfmixprec.tools import bench  # noqa: E402
 
 VARIANTS = ("keras", "optimizer", "full")
 

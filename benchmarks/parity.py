@@ -32,8 +32,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 
 import tfmixprec  # noqa: E402
-from tfmixprec.bench import describe_machine  # noqa: E402
-from tfmixprec.datasets import load_digits  # noqa: E402
+from tfmixprec.tools.bench import describe_machine  # noqa: E402
+from tfmixprec.tools.datasets import load_digits  # noqa: E402
 
 UNDERFLOW = 2.0**-27
 COLUMNS = {

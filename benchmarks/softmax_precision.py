@@ -140,7 +140,7 @@ def _losses(policy: str, softmax_in_float32: bool, steps: int) -> list[float]:
     import numpy as np
 
     import tfmixprec
-    from tfmixprec import bench
+    from tfmixprec.tools import bench
 
     model = _gpt2(policy, softmax_in_float32)
     optimizer = keras.optimizers.Adam(1e-3)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     import keras
     import tensorflow as tf
 
-    from tfmixprec import bench
+    from tfmixprec.tools import bench
 
     machine = bench.describe_machine()
     print(

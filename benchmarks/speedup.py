@@ -24,7 +24,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tfmixprec import bench  # noqa: E402
+from tfmixprec.tools import bench  # noqa: E402
 
 SIZES = {"mlp": 2048, "cnn": 256, "transformer": 512}
 # Batches large enough that the matmuls, not the per-step optimizer update, dominate.

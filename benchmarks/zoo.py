@@ -74,7 +74,7 @@ def worker_main(args: argparse.Namespace) -> None:
     import keras
 
     import tfmixprec
-    from tfmixprec import bench, zoo
+    from tfmixprec.tools import bench, zoo
 
     name, stack = args.worker
     dtype, _, through = stack.partition(" ")
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     import keras
     import tensorflow as tf
 
-    from tfmixprec import bench
+    from tfmixprec.tools import bench
 
     machine = bench.describe_machine()
     print(

@@ -233,7 +233,7 @@ def check_script(script: str) -> None:
 def run_tfmixprec(script: str) -> str:
     """What the last command of a bash block, a `tfmixprec` command, prints (run in this
     process, as the console script runs it)."""
-    from tfmixprec import cli
+    from tfmixprec.tools import cli
 
     words = shell_commands(script.replace("\\\n", " "))[-1]
     assert words[0] == "tfmixprec", f"a sample output after a command other than tfmixprec: {words}"
@@ -347,11 +347,11 @@ def test_shell_commands_are_split_as_bash_runs_them():
 def _docstring_tests():
     finder = doctest.DocTestFinder(exclude_empty=True)
     found = {}
-    for info in pkgutil.iter_modules(tfmixprec.__path__):
-        if info.name == "__main__":  # importing it runs the command
+    for info in pkgutil.walk_packages(tfmixprec.__path__, "tfmixprec."):
+        if info.name == "tfmixprec.__main__":  # importing it runs the command
             continue
-        module = importlib.import_module(f"tfmixprec.{info.name}")
-        for test in finder.find(module, f"tfmixprec.{info.name}"):
+        module = importlib.import_module(info.name)
+        for test in finder.find(module, info.name):
             if test.examples:
                 found[test.name] = test
     return found
@@ -402,7 +402,7 @@ def _context():
 
 def test_docstring_examples_are_collected():
     assert len(DOCSTRING_TESTS) >= 23
-    assert "tfmixprec.optimizer.LossScaleOptimizer" in DOCSTRING_TESTS
+    assert "tfmixprec.scaling.optimizer.LossScaleOptimizer" in DOCSTRING_TESTS
 
 
 @pytest.mark.parametrize("name", sorted(DOCSTRING_TESTS))

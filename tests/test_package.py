@@ -9,18 +9,33 @@ import tfmixprec
 
 PACKAGE = Path(tfmixprec.__file__).resolve().parent
 ENTRY = PACKAGE.parent / "_tfmixprec_cli.py"  # the console script's module, outside the package
-ARGS = PACKAGE.parent / "_tfmixprec_args.py"  # its parser and start-up, read by tfmixprec.cli too
+ARGS = PACKAGE.parent / "_tfmixprec_args.py"  # its parser, read by tools.cli too
 MAX_FUNCTION_LINES = 40  # docstrings not counted
 MAX_MODULE_LINES = 600
 # Modules longer than MAX_MODULE_LINES, each with the one concern it holds: a long module is
 # allowed only for a concern that does not split (a module that mixes concerns is split).
 ONE_LONG_CONCERN = {
-    "optimizer": "the optimizer class Keras sees: knobs, state variables, step, saving",
-    "loss_scale": "the loss-scale state machine: config, state, transition, scale and check",
-    "bench": "timing one model under each policy, side by side in one process",
+    "scaling.optimizer": "the optimizer class Keras sees: knobs, state variables, step, saving",
+    "scaling.loss_scale": "the loss-scale state machine: config, state, transition, the check",
+    "replay.diagnosis": "why one step overflowed: the verdict, its report types and text",
+    "replay.calibration": "the smallest float32 set and the starting scale, and their report",
+    "checks.audit": "the audit's table of checks, one function per finding code",
+    "tools.bench": "timing one model under each policy, side by side in one process",
 }
-# Long modules that mix concerns, listed until the restructuring of issue 38 splits them.
-TO_SPLIT = {"_keras_compat", "audit", "calibration", "diagnosis", "float8"}
+# The folders, lowest first: a module imports only from its own folder or a lower one.
+FOLDERS = ("_keras", "_common", "scaling", "precision", "replay", "fit", "checks", "tools")
+PRIVATE_FOLDERS = {"_keras", "_common"}
+OUTSIDE = {"__init__", "__main__", "_version", "_moved"}  # the package's own files, on top
+# Modules whose API is the module itself (`tfmixprec.cpu_float16.status()`): their names may
+# repeat another module's, and their `__all__` need not be the package's.
+MODULE_APIS = {
+    "precision.cpu_bfloat16",
+    "precision.cpu_float16",
+    "precision.float8",
+    "tools.datasets",
+    "tools.testing",
+    "tools.zoo",
+}
 
 
 def test_public_api_names_import():
@@ -34,7 +49,19 @@ def test_public_api_names_import():
 
 
 def _modules():
-    return {path.stem: ast.parse(path.read_text()) for path in sorted(PACKAGE.glob("*.py"))}
+    """{key: tree}: every module of the package by its dotted path inside it
+    (`scaling.loss_scale`; a subpackage's `__init__` by the folder's name, `scaling`)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if len(parts) > 1 and parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = ast.parse(path.read_text())
+    return found
+
+
+def _folder(key):
+    return key.split(".")[0] if "." in key or key in FOLDERS else None
 
 
 def _declared_all(tree):
@@ -46,59 +73,96 @@ def _declared_all(tree):
     return None
 
 
+def test_every_module_sits_in_a_folder_of_the_layout():
+    modules = _modules()
+    loose = {key for key in modules if _folder(key) is None} - OUTSIDE
+    assert loose == set()
+    assert {_folder(key) for key in modules} - {None} == set(FOLDERS)
+
+
 def test_private_modules_export_nothing():
     """A private module's names are shared inside the package, never exported: its `__all__`
-    is empty (a `from tfmixprec._x import *` gives nothing)."""
+    is empty (a `from tfmixprec._common.x import *` gives nothing)."""
     exporting = {
-        name: _declared_all(tree)
-        for name, tree in _modules().items()
-        if name.startswith("_") and not name.startswith("__") and name != "_version"
+        key: _declared_all(tree)
+        for key, tree in _modules().items()
+        if _folder(key) in PRIVATE_FOLDERS or key == "_moved"
     }
-    assert {name: names for name, names in exporting.items() if names != []} == {}
+    assert {key: names for key, names in exporting.items() if names != []} == {}
 
 
 def test_every_module_exports_only_what_the_package_exports():
     exported = set(tfmixprec.__all__)
-    for name, tree in _modules().items():
-        if name.startswith("_") or name in (
-            "cpu_bfloat16",
-            "float8",
-            "cpu_float16",
-            "datasets",
-            "testing",
-            "zoo",
-        ):
-            continue
-        listed = set(_declared_all(tree) or ())
-        assert listed <= exported, (name, sorted(listed - exported))
+    for key, tree in _modules().items():
+        if _folder(key) in PRIVATE_FOLDERS or key in MODULE_APIS or key in OUTSIDE | set(FOLDERS):
+            continue  # a folder's `__init__` lists its modules' (the next test)
+        listed = set(_declared_all(tree) or ()) - {name.split(".")[-1] for name in MODULE_APIS}
+        assert listed <= exported, (key, sorted(listed - exported))
 
 
-def _imports(tree):
+def test_each_public_folder_lists_what_its_modules_offer():
+    """A public folder's `__init__` imports and lists each of its modules' `__all__` (a module
+    whose API is the module itself, by the module's name), as optax's `transforms` does."""
+    modules = _modules()
+    for folder in set(FOLDERS) - PRIVATE_FOLDERS:
+        offered = []
+        for key in sorted(k for k in modules if k.startswith(f"{folder}.")):
+            if key in MODULE_APIS:
+                offered.append(key.split(".")[1])
+            if key not in MODULE_APIS or key == "precision.float8":
+                offered += _declared_all(modules[key]) or []
+        assert sorted(_declared_all(modules[folder])) == sorted(offered), folder
+        package = importlib.import_module(f"tfmixprec.{folder}")
+        assert all(hasattr(package, name) for name in offered), folder
+
+
+def _imports(tree, modules):
+    """The modules of the package a module imports (by key; a folder's `__init__` by the
+    folder's name), at any level."""
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tfmixprec"):
-            parts = node.module.split(".")
-            if len(parts) > 1:
-                found.add(parts[1])
-            else:  # `from tfmixprec import cpu_float16`
-                found.update(alias.name for alias in node.names)
+        if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfmixprec")):
+            continue
+        base = node.module.split(".", 1)[1] if "." in node.module else ""
+        for alias in node.names:
+            inner = f"{base}.{alias.name}" if base else alias.name
+            found.add(inner if inner in modules else (base or "__init__"))
     return found
 
 
-def test_no_module_imports_another_modules_underscore_names():
-    """A name two modules share is public inside its (private) module: `from tfmixprec.x
-    import _y` and `x._y` of another tfmixprec module are not used (dunders aside)."""
+def test_no_import_runs_back_up_the_folders():
+    modules = _modules()
+    back_up = []
+    for key, tree in modules.items():
+        if _folder(key) is None:
+            continue  # the package's own files import from every folder
+        for imported in _imports(tree, modules):
+            here, there = FOLDERS.index(_folder(key)), FOLDERS.index(_folder(imported) or "tools")
+            if there > here or imported in OUTSIDE:
+                back_up.append(f"{key} imports {imported}")
+    assert back_up == []
+
+
+def test_no_underscore_name_crosses_a_module():
+    """A name two modules share has no leading underscore: `from tfmixprec.x.y import _z` is
+    not used, nor `y._z` of an imported module (dunders aside); and no module outside the
+    private folders is imported across folders under an underscore name."""
     modules = _modules()
     found = []
-    for name, tree in modules.items():
+    for key, tree in modules.items():
+        bound = {}  # names of imported package modules in this module
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfmixprec"):
-                found += [f"{name}: {a.name}" for a in node.names if _private(a.name)]
-            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-                # _keras_compat reads Keras's private attributes, of objects whose variable
-                # names (`optimizer`) can match a module's.
-                if name != "_keras_compat" and node.value.id in modules and _private(node.attr):
-                    found.append(f"{name}: {node.value.id}.{node.attr}")
+                found += [f"{key}: {a.name}" for a in node.names if _private(a.name)]
+                base = node.module.split(".", 1)[1] if "." in node.module else ""
+                for alias in node.names:
+                    inner = f"{base}.{alias.name}" if base else alias.name
+                    if inner in modules:
+                        bound[alias.asname or alias.name] = inner
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.value.id in bound and _private(node.attr):
+                    found.append(f"{key}: {node.value.id}.{node.attr}")
     assert found == []
 
 
@@ -106,12 +170,21 @@ def _private(name):
     return name.startswith("_") and not name.startswith("__")
 
 
+def _module_level_graph(modules):
+    graph = {}
+    for key, tree in modules.items():
+        top = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        graph[key] = _imports(ast.Module(body=top, type_ignores=[]), modules) - {key}
+    return graph
+
+
 def test_no_import_circle():
+    """No module reaches itself through the imports that run when it is imported (the
+    package's `__init__` and a folder's `__init__` list their modules, so they are left out
+    as targets: a module imports from the module that defines a name)."""
     modules = _modules()
-    graph = {name: _imports(tree) & set(modules) - {name} for name, tree in modules.items()}
-    graph.pop("__init__")
-    for edges in graph.values():
-        edges.discard("__init__")
+    inits = {key for key in modules if key in FOLDERS} | OUTSIDE
+    graph = {k: v - inits for k, v in _module_level_graph(modules).items() if k not in inits}
 
     def reach(start, node, seen):
         for nxt in graph.get(node, ()):
@@ -120,8 +193,21 @@ def test_no_import_circle():
                 seen.add(nxt)
                 reach(start, nxt, seen)
 
-    for name in graph:
-        reach(name, name, set())
+    for key in graph:
+        reach(key, key, set())
+
+
+def test_modules_import_a_name_from_the_module_that_defines_it():
+    """Inside the package, nothing imports from a folder's `__init__` or the package's: those
+    list what is offered outside."""
+    modules = _modules()
+    inits = {key for key in modules if key in FOLDERS} | {"__init__"}
+    leaning = {
+        key: sorted(_imports(tree, modules) & inits)
+        for key, tree in modules.items()
+        if key not in inits | OUTSIDE
+    }
+    assert {key: names for key, names in leaning.items() if names} == {}
 
 
 def _body_lines(node):
@@ -147,36 +233,43 @@ def test_functions_stay_small():
 
 def test_one_concern_per_module():
     """A module over MAX_MODULE_LINES holds one concern that does not split, named in
-    ONE_LONG_CONCERN; the long modules that mix concerns are in TO_SPLIT until split."""
-    lengths = {p.stem: len(p.read_text().splitlines()) for p in PACKAGE.glob("*.py")}
-    long = {name for name, lines in lengths.items() if lines > MAX_MODULE_LINES}
-    assert long - set(ONE_LONG_CONCERN) - TO_SPLIT == set(), {n: lengths[n] for n in long}
-    # A listed module that is short again, or split away, comes off its list.
-    assert (set(ONE_LONG_CONCERN) | TO_SPLIT) - long == set()
+    ONE_LONG_CONCERN (a long module that mixes concerns is split)."""
+    lengths = {}
+    for path in PACKAGE.rglob("*.py"):
+        key = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        lengths[key] = len(path.read_text().splitlines())
+    long = {key for key, lines in lengths.items() if lines > MAX_MODULE_LINES}
+    assert long - set(ONE_LONG_CONCERN) == set(), {key: lengths[key] for key in long}
+    # A listed module that is short again, or split away, comes off the list.
+    assert set(ONE_LONG_CONCERN) - long == set()
 
 
 ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
-OUTSIDE_LAYERS = {"__init__", "__main__", "_version"}
 
 
 def _architecture_table():
-    """`{module: (layer, [imports])}` from the module table in docs/ARCHITECTURE.md."""
+    """`{module: (layer, [imports])}` from the module table in docs/ARCHITECTURE.md (a module
+    written as its path, `scaling/loss_scale.py`; its imports as `scaling/optimizer`)."""
     rows = {}
-    row = re.compile(r"^\| `(\w+)\.py` \| (\d+) \| .* \| (.*) \|$")
+    row = re.compile(r"^\| `([\w/]+)\.py` \| (\d+) \| .* \| (.*) \|$")
     for line in ARCHITECTURE.read_text().splitlines():
         match = row.match(line)
         if match:
-            imports = re.findall(r"`(\w+)`", match.group(3))
-            rows[match.group(1)] = (int(match.group(2)), sorted(imports))
+            imports = re.findall(r"`([\w/]+)`", match.group(3))
+            key = match.group(1).replace("/", ".")
+            rows[key] = (int(match.group(2)), sorted(i.replace("/", ".") for i in imports))
     return rows
 
 
 def test_architecture_doc_matches_the_imports():
+    """Every module of the folders has a row; its imports are the row's, each on a lower
+    layer (private modules included)."""
     table = _architecture_table()
     modules = _modules()
-    assert sorted(table) == sorted(set(modules) - OUTSIDE_LAYERS)
+    laid_out = {key for key in modules if "." in key}  # the folders' modules, not `__init__`s
+    assert sorted(table) == sorted(laid_out)
     for name, (layer, listed) in table.items():
-        actual = sorted(_imports(modules[name]) & set(modules) - {name, "__init__"})
+        actual = sorted(_imports(modules[name], modules) - {name})
         assert listed == actual, (name, listed, actual)
         for imported in actual:
             assert table[imported][0] < layer, f"{name} (layer {layer}) imports {imported}"
@@ -218,11 +311,11 @@ def _every_import(tree):
 
 
 def test_the_command_modules_import_one_way():
-    """The console script reads the parser and `tfmixprec.cli`; `tfmixprec.cli` reads the
+    """The console script reads the parser and `tfmixprec.tools.cli`, which reads the
     parser; the parser reads neither, at any level (no circle, lazy imports included)."""
     parser = _every_import(ast.parse(ARGS.read_text()))
     assert {m.split(".")[0] for m in parser} & {"tfmixprec", "_tfmixprec_cli"} == set()
     package = set().union(*(_every_import(tree) for tree in _modules().values()))
     assert "_tfmixprec_cli" not in package
-    assert "_tfmixprec_args" in _every_import(_modules()["cli"])
-    assert {"_tfmixprec_args", "tfmixprec"} <= _every_import(ast.parse(ENTRY.read_text()))
+    assert "_tfmixprec_args" in _every_import(_modules()["tools.cli"])
+    assert {"_tfmixprec_args", "tfmixprec.tools"} <= _every_import(ast.parse(ENTRY.read_text()))

@@ -1,5 +1,5 @@
 """Reliability: injected faults, SIGKILL and resume, replicas, bad input, bad data (workers:
-tests/test_multi_worker.py)."""
+tests/fit/test_multi_worker.py)."""
 
 import contextlib
 import io
@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import tfmixprec
 from tfmixprec import LossScaleOptimizer, MixedPrecisionModel
-from tfmixprec.testing import FaultInjector
+from tfmixprec.tools.testing import FaultInjector
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -227,7 +227,7 @@ class CLIError(Exception):
 
 
 def _cli(*args):
-    from tfmixprec.cli import main
+    from tfmixprec.tools.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfmixprec
-from tfmixprec.hardware import HardwareInfo
+from tfmixprec.precision.hardware import HardwareInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r" See (docs/[\w/-]+\.md)\.$")

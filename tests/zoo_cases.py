@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zoo_checks
 
-from tfmixprec.attribution import OverflowReport
+from tfmixprec.scaling.attribution import OverflowReport
 
 POLICIES = ("mixed_float16", "mixed_bfloat16")
 # What `float32_outputs` must change: the classifiers' heads compute in the policy's dtype; the

@@ -21,7 +21,7 @@ import keras
 import numpy as np
 
 import tfmixprec
-from tfmixprec import bench, cli, zoo
+from tfmixprec.tools import bench, cli, zoo
 
 STEPS = 3  # training steps of every run (the parity compares each of them)
 

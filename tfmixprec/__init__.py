@@ -1,62 +1,72 @@
-"""tfmixprec: safe, visible and fast mixed-precision training for Keras 3 on TensorFlow."""
+"""tfmixprec: safe, visible and fast mixed-precision training for Keras 3 on TensorFlow.
 
-from tfmixprec import cpu_bfloat16, cpu_float16
-from tfmixprec import datasets
-from tfmixprec import float8
-from tfmixprec import testing
-from tfmixprec import zoo
+The package is laid out by concern (docs/ARCHITECTURE.md): `scaling`, `precision`, `replay`,
+`fit`, `checks` and `tools`, over the private `_keras` and `_common`. The public API is what
+this module imports, one name per line.
+"""
+
+import sys
+
+from tfmixprec._moved import install
+
+from tfmixprec.precision import cpu_bfloat16
+from tfmixprec.precision import cpu_float16
+from tfmixprec.tools import datasets
+from tfmixprec.precision import float8
+from tfmixprec.tools import testing
+from tfmixprec.tools import zoo
 from tfmixprec._version import __version__
-from tfmixprec.audit import AuditReport
-from tfmixprec.audit import Finding
-from tfmixprec.audit import LayerDtypes
-from tfmixprec.attribution import LayerOverflows
-from tfmixprec.attribution import OverflowReport
-from tfmixprec.attribution import overflow_report
-from tfmixprec.audit import audit
-from tfmixprec.calibration import CalibrationReport
-from tfmixprec.calibration import LayerCalibration
-from tfmixprec.calibration import calibrate
-from tfmixprec.callbacks import LossScaleMonitor
-from tfmixprec.callbacks import OverflowGuard
-from tfmixprec.diagnosis import Float8Quantized
-from tfmixprec.diagnosis import Float8Replay
-from tfmixprec.diagnosis import LayerReplay
-from tfmixprec.diagnosis import OverflowDiagnosis
-from tfmixprec.diagnosis import explain_overflow
-from tfmixprec.doctor import DoctorReport
-from tfmixprec.doctor import doctor
-from tfmixprec.float8 import Float8Change
-from tfmixprec.float8 import Float8LayerStats
-from tfmixprec.float8 import Float8Monitor
-from tfmixprec.float8 import Float8TensorStats
-from tfmixprec.float8 import float8_layers
-from tfmixprec.float8 import float8_stats
-from tfmixprec.gradient_range import GradientRangeMonitor
-from tfmixprec.gradient_range import GradientRangeStats
-from tfmixprec.gradient_range import gradient_range_stats
-from tfmixprec.hardware import GPUInfo
-from tfmixprec.hardware import HardwareInfo
-from tfmixprec.hardware import detect_hardware
-from tfmixprec.loss_scale import LossScaleConfig
-from tfmixprec.optimizer import LossScaleOptimizer
-from tfmixprec.overflow_batches import KeptBatch
-from tfmixprec.overflow_batches import OverflowBatches
-from tfmixprec.policy import PolicyChange
-from tfmixprec.policy import PolicyChoice
-from tfmixprec.policy import choose_policy
-from tfmixprec.policy import float32_outputs
-from tfmixprec.policy import policy_scope
-from tfmixprec.policy import set_policy
-from tfmixprec.repair import PrecisionRepair
-from tfmixprec.repair import Repair
-from tfmixprec.state_guard import guard_state
-from tfmixprec.tensorboard import TensorBoard
-from tfmixprec.tensorboard import dashboard_layout
-from tfmixprec.training import MixedPrecisionFunctional
-from tfmixprec.training import MixedPrecisionMixin
-from tfmixprec.training import MixedPrecisionModel
-from tfmixprec.training import compute_unscaled_gradients
-from tfmixprec.training import make_train_step
+from tfmixprec.checks import AuditReport
+from tfmixprec.checks import Finding
+from tfmixprec.checks import LayerDtypes
+from tfmixprec.scaling import LayerOverflows
+from tfmixprec.scaling import OverflowReport
+from tfmixprec.scaling import overflow_report
+from tfmixprec.checks import audit
+from tfmixprec.replay import CalibrationReport
+from tfmixprec.replay import LayerCalibration
+from tfmixprec.replay import calibrate
+from tfmixprec.fit import LossScaleMonitor
+from tfmixprec.fit import OverflowGuard
+from tfmixprec.replay import Float8Quantized
+from tfmixprec.replay import Float8Replay
+from tfmixprec.replay import LayerReplay
+from tfmixprec.replay import OverflowDiagnosis
+from tfmixprec.replay import explain_overflow
+from tfmixprec.checks import DoctorReport
+from tfmixprec.checks import doctor
+from tfmixprec.precision import Float8Change
+from tfmixprec.precision import Float8LayerStats
+from tfmixprec.fit import Float8Monitor
+from tfmixprec.precision import Float8TensorStats
+from tfmixprec.precision import float8_layers
+from tfmixprec.precision import float8_stats
+from tfmixprec.fit import GradientRangeMonitor
+from tfmixprec.scaling import GradientRangeStats
+from tfmixprec.scaling import gradient_range_stats
+from tfmixprec.precision import GPUInfo
+from tfmixprec.precision import HardwareInfo
+from tfmixprec.precision import detect_hardware
+from tfmixprec.scaling import LossScaleConfig
+from tfmixprec.scaling import LossScaleOptimizer
+from tfmixprec.fit import KeptBatch
+from tfmixprec.fit import OverflowBatches
+from tfmixprec.precision import PolicyChange
+from tfmixprec.precision import PolicyChoice
+from tfmixprec.precision import choose_policy
+from tfmixprec.precision import float32_outputs
+from tfmixprec.precision import policy_scope
+from tfmixprec.precision import set_policy
+from tfmixprec.fit import PrecisionRepair
+from tfmixprec.fit import Repair
+from tfmixprec.scaling import guard_state
+from tfmixprec.fit import TensorBoard
+from tfmixprec.fit import dashboard_layout
+from tfmixprec.fit import MixedPrecisionFunctional
+from tfmixprec.fit import MixedPrecisionMixin
+from tfmixprec.fit import MixedPrecisionModel
+from tfmixprec.fit import compute_unscaled_gradients
+from tfmixprec.fit import make_train_step
 
 __all__ = [
     "AuditReport",
@@ -118,3 +128,8 @@ __all__ = [
     "testing",
     "zoo",
 ]
+
+# The module paths of 0.4.0 (`tfmixprec.loss_scale`, ...), where every module sat in this
+# folder, still import: each is the module that now holds its code (`tfmixprec._moved`).
+install(sys.modules[__name__])
+del install, sys

@@ -2,6 +2,6 @@
 
 import sys
 
-from tfmixprec.cli import main
+from tfmixprec.tools.cli import main
 
 sys.exit(main())

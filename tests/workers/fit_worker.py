@@ -1,5 +1,5 @@
 """One worker of a 2-worker `MultiWorkerMirroredStrategy` run of Keras's own `fit`, `evaluate`
-and `predict` on a `tfmixprec.MixedPrecisionModel` (tests/test_multi_worker.py).
+and `predict` on a `tfmixprec.MixedPrecisionModel` (tests/fit/test_multi_worker.py).
 
 TF_CONFIG comes from the environment. The global batch of `INF_STEP` (of each epoch) holds an
 Inf in its second half only: worker 1's shard (the dataset is sharded by DATA, so each worker

@@ -1,5 +1,6 @@
-"""Fuzzing `tfmixprec audit FILE` (tests/test_audit.py): mutated `.keras` and `.h5` files, each
-audited in this one process through the command's own code (`tfmixprec.cli.main`).
+"""Fuzzing `tfmixprec audit FILE` (tests/checks/test_audit.py): mutated `.keras` and `.h5`
+files, each audited in this one process through the command's own code
+(`tfmixprec.tools.cli.main`).
 
 Run in a folder that holds packages named like trusted ones (`keras_cv/`, `keras_nlp/`) and an
 `evil/` package, each of which writes a marker file when imported: the mutations name their
@@ -28,7 +29,7 @@ import h5py  # noqa: E402
 import keras  # noqa: E402
 
 import tfmixprec  # noqa: E402
-from tfmixprec import cli  # noqa: E402
+from tfmixprec.tools import cli  # noqa: E402
 
 PACKAGES = ("keras_cv", "keras_nlp", "evil")  # each writes <name>.ran when imported
 

@@ -1,4 +1,4 @@
-"""Writes an optimizer's state as one tfmixprec release saved it (tests/test_state_file.py):
+"""Writes an optimizer's state as one tfmixprec release saved it (tests/scaling/test_state_file.py):
 run with PYTHONPATH pointing at that release's `tfmixprec` (checked out of git history). For
 accumulation_steps 1 and 3: a small model trained 6 steps with an overflow, saved as
 `<out>/acc<N>.keras` and `<out>/acc<N>-ckpt` (tf.train.Checkpoint), and the optimizer's

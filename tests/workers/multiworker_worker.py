@@ -1,5 +1,5 @@
 """One worker of a 2-process MultiWorkerMirroredStrategy custom loop on 127.0.0.1
-(tests/test_multi_worker.py).
+(tests/fit/test_multi_worker.py).
 
 TF_CONFIG comes from the environment; each worker has its own data (no sharding). Worker 1's
 batch 2 is all Inf (worker 0's is clean): both workers must skip that step. Writes the final

@@ -1,4 +1,4 @@
-"""One worker of a 2-worker `MultiWorkerMirroredStrategy` `fit` that tests/test_multi_worker.py
+"""One worker of a 2-worker `MultiWorkerMirroredStrategy` `fit` that tests/fit/test_multi_worker.py
 kills with SIGKILL and starts again.
 
 TF_CONFIG comes from the environment. It trains a tiny MixedPrecisionModel with tfmixprec's

@@ -1,5 +1,5 @@
 """One worker of a 2-worker `MultiWorkerMirroredStrategy` fit with `PrecisionRepair`
-(tests/test_repair.py): the inputs that pass 65504 in `big` are in the second half of each
+(tests/fit/test_repair.py): the inputs that pass 65504 in `big` are in the second half of each
 global batch only, worker 1's shard (the dataset is sharded by DATA). Writes repair-<task>.json
 (the repairs, the loss-scale state, the layers' dtypes, a hash of the weights) to --out.
 

@@ -1,0 +1,507 @@
+"""The `tfmixprec` command, run as a user runs it: a subprocess, exit codes, key output."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import keras
+import pytest
+
+import tfmixprec
+
+SCRIPT = Path(sys.executable).parent / "tfmixprec"
+
+
+def run(*args, cwd=None, timeout=300):
+    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "tfmixprec"]
+    result = subprocess.run(
+        command + list(args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    return result.returncode, result.stdout, result.stderr
+
+
+def test_console_script_is_installed():
+    assert SCRIPT.exists(), "pip install should create the `tfmixprec` command"
+
+
+def test_doctor():
+    code, out, _ = run("doctor")
+    assert code == 0
+    assert out.startswith("tfmixprec doctor")
+    assert re.search(r"recommended\s+(mixed_float16|mixed_bfloat16|float32): ", out)
+    code, out, _ = run("doctor", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["recommended_policy"] in (
+        "mixed_float16",
+        "mixed_bfloat16",
+        "float32",
+    )
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models")
+    with tfmixprec.policy_scope("mixed_float16"):
+        bad = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(4, activation="softmax")]
+        )
+        bad.save(folder / "bad.keras")
+        clean = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(8, dtype="float32")]
+        )
+        clean.compile(optimizer=tfmixprec.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse")
+        clean.save(folder / "clean.keras")
+        # Keras wraps "sgd" in its own LossScaleOptimizer (the file names only "sgd").
+        keras_scaled = keras.Sequential(
+            [
+                keras.Input((16,)),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(8),
+                keras.layers.Softmax(dtype="float32"),
+            ],
+            name="keras_scaled",
+        )
+        keras_scaled.compile(optimizer="sgd", loss="mse")
+        keras_scaled.save(folder / "keras_scaled.keras")
+        keras_scaled.save(folder / "legacy.h5")
+    plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
+    plain.save(folder / "float32.keras")
+    (folder / "notes.txt").write_text("not a model")
+    (folder / "a_folder").mkdir()
+    marker = folder / "ran"
+    tokens = keras.Input((4,))
+    payload = eval(f"lambda x: (open({str(marker)!r}, 'w').close(), x)[1]")
+    keras.Model(tokens, keras.layers.Lambda(payload, name="payload")(tokens)).save(
+        folder / "code.keras"
+    )
+    marker.unlink()  # building the model called the lambda
+    with zipfile.ZipFile(folder / "broken.keras", "w") as archive:
+        archive.writestr("config.json", "{this is not json")
+    return folder
+
+
+def test_audit_exit_codes(saved_models):
+    code, out, _ = run("audit", str(saved_models / "bad.keras"))
+    assert code == 1
+    assert "ERROR   low-precision-softmax" in out
+    code, out, _ = run("audit", str(saved_models / "clean.keras"))
+    assert code == 0, out
+    assert "ERROR" not in out and "WARNING" not in out
+    if not tfmixprec.detect_hardware().gpus:  # what is slow here is said, as information
+        assert "INFO    cpu-float16-kernels" in out
+    code, out, _ = run("audit", str(saved_models / "float32.keras"))
+    assert code == 0
+    code, out, _ = run("audit", str(saved_models / "float32.keras"), "--policy", "mixed_float16")
+    assert code == 1 and "low-precision-output" in out
+    code, out, _ = run("audit", str(saved_models / "bad.keras"), "--json")
+    assert code == 1 and json.loads(out)["ok"] is False
+
+
+@pytest.mark.parametrize("name", ["keras_scaled.keras", "legacy.h5"])
+def test_audit_of_a_file_agrees_with_the_model_in_memory(saved_models, name):
+    code, out, err = run("audit", str(saved_models / name), "--json")
+    assert code == 0, out + err
+    assert "Skipping variable loading" not in err
+    with tfmixprec.policy_scope("mixed_float16"):
+        model = keras.models.load_model(saved_models / "keras_scaled.keras")
+    assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer  # as it was saved
+    data = json.loads(out)
+    assert data["policy"] == "mixed_float16"
+    assert data["findings"] == tfmixprec.audit(model).to_dict()["findings"]
+
+
+def test_audit_never_runs_a_files_code(saved_models):
+    code, out, err = run("audit", str(saved_models / "code.keras"))
+    assert code == 2 and out == ""
+    assert "holds code: layer 'payload' (Lambda) is a Python lambda stored as bytecode" in err
+    assert "tfmixprec.audit(keras.models.load_model(path, safe_mode=False))" in err
+    assert not (saved_models / "ran").exists()
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("missing.keras", "no such file: "),
+        ("notes.txt", "is not a Keras model file"),
+        ("broken.keras", "could not load"),
+        ("a_folder", "is a directory, not a model file"),
+    ],
+)
+def test_audit_bad_files(saved_models, name, message):
+    code, out, err = run("audit", str(saved_models / name))
+    assert code == 2
+    assert message in err and name in err
+    assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["demo", "--epochs", "0"], "expected a positive integer, got '0'"),
+        (["demo", "--policy", "fp8"], "invalid choice: 'fp8'"),
+        (["audit"], "the following arguments are required: model"),
+        (["bench", "--model", "rnn"], "or MODULE:FUNCTION / FILE.py:FUNCTION, got 'rnn'"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(args, message):
+    code, _, err = run(*args)
+    assert code == 2
+    assert err.startswith("usage: tfmixprec")  # parsed before TensorFlow could log a line
+    assert message in err.strip().splitlines()[-1]
+
+
+def test_demo_trains_and_reports(tmp_path):
+    code, out, err = run("demo", "--epochs", "8", "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
+    assert code == 0, err[-2000:]
+    assert "loss_scale" in out  # in Keras's progress output
+    accuracy = float(re.search(r"test accuracy\s+([0-9.]+)", out).group(1))
+    assert accuracy > 0.90
+    assert re.search(r"overflow steps\s+\d+ of \d+", out)
+    assert f"tensorboard --logdir {tmp_path / 'runs'}" in out
+    events = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    assert events, "the demo writes TensorBoard logs"
+
+
+def test_bench_table():
+    code, out, err = run(
+        "bench",
+        "--size",
+        "64",
+        "--batch-size",
+        "32",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--policies",
+        "float32",
+        "mixed_bfloat16",
+    )
+    assert code == 0, err[-2000:]
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("machine: ")
+    assert "vs float32" in lines[1]
+    rows = [line for line in lines if line.startswith("mlp")]
+    assert len(rows) == 2
+    assert rows[0].split()[1] == "float32" and rows[0].endswith("1.00x")
+    assert rows[1].split()[1] == "mixed_bfloat16"
+    # Progress on stderr while it runs: each warm-up, then the time left after each run.
+    progress = [line for line in err.splitlines() if line.startswith("bench: ")]
+    assert progress[0].startswith("bench: warmed up 1/2: float32, tfmixprec ")
+    assert progress[1].startswith("bench: warmed up 2/2: mixed_bfloat16, tfmixprec ")
+    assert re.fullmatch(r"bench: timing 1 runs of each: about \d+ s", progress[2])
+    assert re.fullmatch(r"bench: run 1/1 of each done, about 0 s left", progress[3])
+    assert len(progress) == 4
+
+
+USER_MODELS = """
+import keras
+import numpy as np
+
+
+def build():
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(4, dtype="float32"),
+        ],
+        name="mine",
+    )
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def with_data():
+    x = np.ones((8, 16), "float32")
+    return build(), x, np.zeros((8, 4), "float32")
+
+
+def not_compiled():
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+
+
+def raises():
+    raise RuntimeError("no GPU quota")
+
+
+def two_inputs():
+    a, b = keras.Input((4,)), keras.Input((6,))
+    joined = keras.layers.Concatenate()([keras.layers.Dense(8)(a), keras.layers.Dense(8)(b)])
+    model = keras.Model([a, b], keras.layers.Dense(2, dtype="float32")(joined), name="two")
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def sparse_labels():  # its loss needs integer labels: bench's made-up targets do not fit
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def language_model():
+    tokens = keras.Input((8,), dtype="int32")
+    embedding = keras.layers.ReversibleEmbedding(64, 16, name="embedding")
+    hidden = keras.layers.Dense(16, activation="gelu")(embedding(tokens))
+    model = keras.Model(tokens, embedding(hidden, reverse=True), name="lm")
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    x = np.ones((32, 8), "int32")
+    return model, x, x
+"""
+
+
+def test_bench_your_own_model(tmp_path):
+    """`tfmixprec bench --model FILE.py:FUNCTION`: each policy times the model the function
+    builds under it (plain Keras and through tfmixprec's CPU routes), and one line says which
+    policy to use."""
+    (tmp_path / "models.py").write_text(USER_MODELS)
+    args = ("bench", "--steps", "2", "--repeats", "1", "--policies", "float32", "mixed_bfloat16")
+    code, out, err = run(*args, "--model", "models.py:build", cwd=tmp_path)
+    assert code == 0, err[-2000:]
+    rows = [line.split() for line in out.splitlines() if line.startswith("build ")]
+    # Dense layers take no bfloat16 route: the tfmixprec stack would be the same step.
+    assert [(r[1], r[2], r[3]) for r in rows] == [
+        ("float32", "keras", "32"),
+        ("mixed_bfloat16", "keras", "32"),
+    ]
+    assert "bench: mixed_bfloat16, tfmixprec: no layer to route here, the same step as keras" in err
+    assert rows[0][-1] == "1.00x"
+    recommended = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"recommended: (float32: no other policy ran 1\.05x float32 or faster \(best: "
+        r"mixed_bfloat16, (keras|tfmixprec), [\d.]+x\)(; set_policy\('auto'\) picks "
+        r"mixed_bfloat16 here, but for this model use float32)?|mixed_bfloat16( through "
+        r"tfmixprec)?, [\d.]+x float32(; set_policy\('auto'\) picks float32 here)?)\.",
+        recommended,
+    ), recommended
+    # A language model's logits take a route on a CPU with bfloat16 instructions.
+    code, out, err = run(*args, "--model", "models.py:language_model", cwd=tmp_path)
+    assert code == 0, err[-2000:]
+    stacks = [line.split()[2] for line in out.splitlines() if line.startswith("language_model ")]
+    routed = bool(tfmixprec.cpu_bfloat16.routes_on())
+    assert stacks == ["keras", "keras", "tfmixprec"] if routed else ["keras", "keras"]
+    # A module in the current folder, as `python -m` finds it; a model with two inputs.
+    code, out, err = run(*args, "--model", "models:two_inputs", cwd=tmp_path)
+    assert code == 0, err[-2000:]
+    assert len([line for line in out.splitlines() if line.startswith("two_inputs ")]) == 2
+    code, out, err = run(*args, "--model", "models.py:with_data", "--batch-size", "8", cwd=tmp_path)
+    assert code == 0, err[-2000:]
+    batches = [line.split()[3] for line in out.splitlines() if line.startswith("with_data ")]
+    assert batches == ["8", "8"]
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("missing.py:build", "No file 'missing.py' (from --model 'missing.py:build')."),
+        ("no_such_module_here:build", "Cannot import 'no_such_module_here'"),
+        ("models.py:nothing", "'models.py' has no function 'nothing'"),
+        ("models.py:not_compiled", "returned model 'sequential' not compiled: compile it"),
+        ("models.py:with_data", "returned 8 samples, fewer than the batch size 32"),
+        (
+            "models.py:raises",
+            "--model 'models.py:raises': calling it raised RuntimeError: no GPU quota. Fix it "
+            "there (run it in Python for the traceback).",
+        ),
+        (
+            "models.py:sparse_labels",
+            "--model 'models.py:sparse_labels': training its model (on made-up data unless it "
+            "returns (model, x, y)) raised ",
+        ),
+        (
+            "broken.py:build",
+            "--model 'broken.py:build': importing 'broken.py' raised SyntaxError: ",
+        ),
+    ],
+)
+def test_bench_your_own_model_errors(tmp_path, model, message):
+    (tmp_path / "models.py").write_text(USER_MODELS)
+    (tmp_path / "broken.py").write_text("def build(:\n")
+    code, out, err = run("bench", "--model", model, "--steps", "2", "--repeats", "1", cwd=tmp_path)
+    assert code == 2
+    assert "tfmixprec bench: error: " in err and message in err, err[-2000:]
+    assert "Traceback" not in err and "vs float32" not in out
+
+
+def test_bench_model_names_match_the_package():
+    """The parser names the models without importing tfmixprec: the same names."""
+    import _tfmixprec_args
+    from tfmixprec.tools import bench, zoo
+
+    assert _tfmixprec_args.BENCH_MODELS == bench.MODELS
+    assert _tfmixprec_args.ZOO_MODELS == tuple(zoo.MODELS)
+
+
+def test_recommend_from_results():
+    from tfmixprec.tools.bench import BenchResult, recommend
+
+    def result(policy, stack, step_ms):
+        return BenchResult("m", policy, policy, stack, 16, step_ms, 16000 / step_ms, [step_ms])
+
+    auto = tfmixprec.choose_policy().name
+    chosen = recommend([result("float32", "keras", 100), result("mixed_bfloat16", "tfmixprec", 50)])
+    assert (chosen.policy, chosen.stack, chosen.speedup) == ("mixed_bfloat16", "tfmixprec", 2.0)
+    assert chosen.text.startswith("recommended: mixed_bfloat16 through tfmixprec, 2.00x float32")
+    assert chosen.text.endswith("." if auto == "mixed_bfloat16" else f"picks {auto} here.")
+    slower = recommend([result("float32", "keras", 100), result("mixed_bfloat16", "keras", 104)])
+    assert (slower.policy, slower.speedup) == ("float32", 1.0)
+    assert "no other policy ran 1.05x float32 or faster (best: mixed_bfloat16, keras, 0.962x)" in (
+        slower.text
+    )
+    with pytest.raises(ValueError, match="recommend needs a float32 result"):
+        recommend([result("mixed_bfloat16", "keras", 50)])
+    with pytest.raises(ValueError, match="recommend needs a result under another policy"):
+        recommend([result("float32", "keras", 50)])
+
+
+# ------------------------------------------------------------------ a quiet, fast command
+def _run_command(command, env=None, timeout=300):
+    """Runs `command`; `env` replaces the environment (default: ours without TF's log level)."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    return result.returncode, result.stdout, result.stderr
+
+
+def _imported_modules(importtime_stderr):
+    """The modules `python -X importtime` says the process imported."""
+    return re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s+(\S+)", importtime_stderr, re.M)
+
+
+@pytest.mark.parametrize(
+    "args, code, expected",
+    [
+        (["--help"], 0, "usage: tfmixprec [-h] COMMAND ..."),
+        (["demo", "--help"], 0, "[--policy {auto,mixed_float16,mixed_bfloat16,float32}]"),
+        (["bench", "-h"], 0, "[--model MODEL]"),
+        (["demo", "--policy", "fp8"], 2, "invalid choice: 'fp8'"),
+        (["demo", "--epochs", "0"], 2, "expected a positive integer, got '0'"),
+        ([], 2, "the following arguments are required: COMMAND"),
+    ],
+)
+def test_help_and_usage_errors_never_import_tensorflow(args, code, expected):
+    assert SCRIPT.read_text().count("from _tfmixprec_cli import main") == 1
+    got, out, err = _run_command([sys.executable, "-X", "importtime", str(SCRIPT), *args])
+    assert got == code, err[-2000:]
+    assert expected in (out if code == 0 else err)
+    modules = _imported_modules(err)
+    assert "_tfmixprec_cli" in modules and "argparse" in modules  # the check sees imports
+    top = {name.split(".")[0] for name in modules}
+    assert top & {"tensorflow", "keras", "tfmixprec", "numpy"} == set()
+
+
+def test_help_lists_every_command():
+    code, out, _ = _run_command([str(SCRIPT), "--help"])
+    assert code == 0
+    for line in [
+        "doctor    hardware report and the recommended policy",
+        "audit     audit a saved .keras model for mixed precision",
+        "demo      train a small CNN on the digits data set",
+        "bench     step time and throughput per policy, side by side",
+    ]:
+        assert line in out
+
+
+# The lines TF_CPP_MIN_LOG_LEVEL=2 means to hide: TensorFlow's INFO and WARNING log lines and
+# absl's banner. Its ERROR lines are its own business and differ by CPU (a float16 kernel
+# without AVX512_FP16 logs one on an AMD EPYC), so no test asserts them either way.
+HIDDEN_TF_LINE = re.compile(r"^[IW]\d{4} [\d:.]+\s+\d+ \S+:\d+\] |absl::InitializeLog", re.M)
+
+
+def test_doctor_starts_tensorflow_quietly():
+    """Run as a user runs it, without TF_CPP_MIN_LOG_LEVEL: none of the start-up lines that
+    the level it sets (2) hides."""
+    code, out, err = _run_command([str(SCRIPT), "doctor"])
+    assert code == 0 and out.startswith("tfmixprec doctor")
+    assert HIDDEN_TF_LINE.findall(err) == [], err
+    assert "rebuild TensorFlow with the appropriate compiler flags" not in err
+
+
+# What TensorFlow 2.21 wrote to stderr while starting on a 2-core AMD EPYC without a GPU
+# (tfmixprec doctor, no TF_CPP_MIN_LOG_LEVEL), then a line that is no log line.
+STARTUP = (
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+    "I0000 00:00:1795426153.792042    8858 cudart_stub.cc:31] Could not find cuda drivers on "
+    "your machine, GPU will not be used.\n"
+    "W0000 00:00:1795426153.848108    8858 some_file.cc:12] a warning\n"
+    "E0000 00:00:1795426166.116328    9042 cuda_platform.cc:52] failed call to cuInit: "
+    "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)\n"
+    "/x/y.py:3: DeprecationWarning: not TensorFlow's to hide\n"
+)
+
+
+@pytest.mark.parametrize(
+    "level, kept",
+    [
+        (0, ["WARNING: All log", "I0000", "W0000", "E0000", "/x/y.py"]),
+        (1, ["W0000", "E0000", "/x/y.py"]),
+        (2, ["/x/y.py"]),  # cuInit fails because there is no driver: hidden with that line
+        (3, ["/x/y.py"]),
+    ],
+)
+def test_drop_startup_noise_follows_the_log_level(level, kept):
+    import _tfmixprec_args
+
+    lines = _tfmixprec_args.drop_startup_noise(STARTUP, level).splitlines()
+    assert [line for line in lines if not any(line.startswith(k) for k in kept)] == []
+    assert len(lines) == len(kept)
+
+
+def test_a_cuinit_error_with_a_driver_installed_is_kept():
+    import _tfmixprec_args
+
+    error = STARTUP.splitlines(keepends=True)[3]
+    assert _tfmixprec_args.drop_startup_noise(error, 2) == error
+    assert _tfmixprec_args.drop_startup_noise(error, 3) == ""
+
+
+@pytest.mark.parametrize("users, expected", [(None, "2"), ("0", "0"), ("3", "3")])
+def test_start_tensorflow_keeps_a_users_log_level(monkeypatch, users, expected):
+    import _tfmixprec_args
+
+    if users is None:
+        monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", users)
+    _tfmixprec_args.start_tensorflow()  # TensorFlow is imported here already: only the level
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == expected
+
+
+def test_cli_main_runs_in_process(capsys):
+    from tfmixprec.tools.cli import main
+
+    assert main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensorflow_version"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--policy", "fp8"])
+    assert exit_.value.code == 2
+
+
+def test_python_dash_m_is_the_same_command():
+    code, out, _ = _run_command([sys.executable, "-m", "tfmixprec", "--help"])
+    assert code == 0 and "usage: tfmixprec [-h] COMMAND ..." in out
+
+
+@pytest.mark.skipif(bool(tfmixprec.detect_hardware().gpus), reason="the warning is for no GPU")
+def test_demo_with_float16_without_a_gpu_says_what_is_faster(tmp_path):
+    args = ["demo", "--policy", "mixed_float16", "--epochs", "1", "--quiet"]
+    code, out, err = _run_command([str(SCRIPT), *args, "--logdir", str(tmp_path / "runs")])
+    assert code == 0, err[-2000:]
+    assert out.startswith("policy: mixed_float16\n")
+    warning = "tfmixprec: UserWarning: mixed_float16 without a GPU is at best about as fast as"
+    assert [line for line in err.splitlines() if "UserWarning" in line][0].startswith(warning)
+    assert err.count(warning) == 1 and "cli.py" not in err  # one line, no source position
+    faster = tfmixprec.choose_policy().name
+    assert f"for speed on this machine use {faster!r}" in err
+    assert "tfmixprec.cpu_float16 routes around TensorFlow's slow float16 CPU kernels" in err
+    assert HIDDEN_TF_LINE.findall(err) == []  # TensorFlow's ERROR lines may come (any CPU)

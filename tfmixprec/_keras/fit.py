@@ -1,0 +1,236 @@
+"""`fit` as tfmixprec hooks into it through Keras internals: the train step replaced and
+the train function built around a step that compiles itself with XLA, multi-worker `fit`,
+TensorBoard's writer and step, the XLA context and the traced train functions."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+# Why: keras-team/keras#20585 (see `MultiWorkerFit`): tfmixprec's fix must apply exactly where
+# Keras's trainer takes its multi-worker path, so it asks Keras's own test.
+from keras.src.backend.tensorflow.trainer import (
+    _collective_all_reduce_multi_worker as _keras_multi_worker,
+)
+
+# Why: see `in_xla_context`.
+from tensorflow.python.ops.control_flow_util import (
+    GraphOrParentsInXlaContext as _xla_context,
+)
+
+from tfmixprec._keras.patches import patch, undo_all
+
+__all__: list[str] = []  # private module: nothing here is part of the package's API
+
+
+# Why: `tfmixprec.TensorBoard` extends `keras.callbacks.TensorBoard` and writes its summaries
+# into the same run, at the same batch steps; Keras keeps the writer and counters private.
+def tensorboard_writer(callback: Any) -> Any:
+    """The train-run summary writer of a `keras.callbacks.TensorBoard`."""
+    return callback._train_writer
+
+
+def tensorboard_step(callback: Any) -> int:
+    """The global train-batch counter a `keras.callbacks.TensorBoard` writes batch steps at."""
+    return callback._global_train_batch
+
+
+@contextlib.contextmanager
+def tensorboard_log_dir(callback: Any, directory: str | None) -> Iterator[None]:
+    """Inside: `callback.log_dir` is `directory` (None: left alone), then the user's again.
+
+    Why: `keras.callbacks.TensorBoard.set_model` derives its run folders (`train`,
+    `validation`) from `log_dir` and keeps them privately; a worker other than the chief must
+    write into a folder of its own without changing the `log_dir` the user reads and
+    `get_config` saves."""
+    log_dir = callback.log_dir
+    if directory is not None:
+        callback.log_dir = directory
+    try:
+        yield
+    finally:
+        callback.log_dir = log_dir
+
+
+def loss_tracker_count(model: Any) -> Any:
+    """The step count of the `Mean` behind the `loss` of `fit`'s logs, or None.
+
+    Why: Keras keeps that metric as the private `_loss_tracker`; its count says whether any
+    step of the epoch was applied (after a skipped step is put back), where its result alone
+    reads 0 for no step at all."""
+    tracker = getattr(model, "_loss_tracker", None)
+    return getattr(tracker, "count", None)
+
+
+def tensorboard_batch_work(callback: Any) -> bool:
+    """Whether Keras's own `on_train_batch_end` would write anything (else it is skipped)."""
+    return bool(
+        callback.update_freq != "epoch"
+        or callback._should_write_train_graph
+        or callback._should_trace
+        or callback.write_steps_per_second
+    )
+
+
+def across_workers(strategy: Any) -> bool:
+    """True under a `MultiWorkerMirroredStrategy` with more than one worker: where Keras's TF
+    trainer takes its multi-worker path (Keras's own test, so the fix below applies exactly
+    there)."""
+    return bool(_keras_multi_worker(strategy))
+
+
+def _as_vector(value: Any) -> Any:
+    if isinstance(value, tf.Tensor) and value.shape.rank == 0:
+        return tf.reshape(value, [1])
+    return value
+
+
+class MultiWorkerFit:
+    """Makes Keras's own `fit`, `evaluate` and `predict` run under `MultiWorkerMirroredStrategy`
+    across workers: keras-team/keras#20585, tensorflow/tensorflow#72388 (open; Keras 3.12 to
+    3.15). Put it before `keras.Model` in a model class's bases. Keras's loop is kept.
+
+    Why: Keras's TF trainer fails across workers in two places, both private:
+
+    - `_maybe_symbolic_build` builds the model from the first batch, which it first reduces
+      across replicas with `strategy.reduce("MEAN", batch, axis=None)` in eager mode; a
+      collective strategy cannot reduce eager per-replica values ("Attempt to convert a value
+      (PerReplica...) ... to a Tensor"). Only the batch's shapes matter: this builds from this
+      worker's own first batch.
+    - `_make_function`'s step reduces each log with `strategy.reduce("MEAN", value, axis=0)`
+      across workers (its `reduce_per_replica`), which needs a batch axis: a scalar loss fails
+      ("axis = 0 out of range for value with rank 0"). Here the step's scalar logs are
+      vectors of one entry, so that reduction is the mean over the replicas, the value Keras
+      logs on one machine. `predict` (a concatenation) needs no change.
+    """
+
+    def _maybe_symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
+        strategy = self.distribute_strategy
+        if iterator is not None and data_batch is None and across_workers(strategy):
+            local = strategy.experimental_local_results
+            for _, _, batches in iterator:
+                data_batch = tf.nest.map_structure(lambda v: local(v)[0], next(batches))
+                break
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def _make_function(self, step_function: Any) -> Any:
+        if not across_workers(self.distribute_strategy):
+            return super()._make_function(step_function)
+
+        def step_with_vector_logs(data: Any) -> Any:
+            return tf.nest.map_structure(_as_vector, step_function(data))
+
+        return super()._make_function(step_with_vector_logs)
+
+
+def update_each_copy(updates: Sequence[tuple[Any, Any, tuple]]) -> None:
+    """For each `(variable, fn, args)`, calls `fn(copy, *args)` on this replica's own copy of
+    the variable (on every copy in cross-replica context), in order, with one `merge_call` at
+    the most for all of them: the copies of a mirrored variable then differ (each replica's
+    running sum), and nothing crosses replicas.
+
+    Why: `tf.distribute.StrategyExtended.update` does this for one variable, through a
+    `merge_call` of its own under strategies that need one (MirroredStrategy and
+    MultiWorkerMirroredStrategy without XLA); whether one is needed is TensorFlow's internal
+    `strategy_supports_no_merge_call` (as Keras's own gradient accumulators do).
+
+    Args:
+        updates: `(variable, fn, args)` triples: a Keras or TF variable created in the
+            strategy's scope, a callable `(tf.Variable, *args) -> op`, and a tuple of
+            per-replica values (possibly empty).
+    """
+    targets = [(v.value if isinstance(v, keras.Variable) else v, fn) for v, fn, _ in updates]
+    # Each update's args as one tuple: merge_call regroups nested tuples leaf by leaf.
+    all_args = tuple(tuple(args) for _, _, args in updates)
+
+    def update(distribution: Any, *per_update_args: tuple) -> None:
+        for (target, fn), args in zip(targets, per_update_args):
+            distribution.extended.update(target, fn, args=args, group=False)
+
+    strategy = tf.distribute.get_strategy()
+    no_merge = tf.__internal__.distribute.strategy_supports_no_merge_call()
+    if tf.distribute.in_cross_replica_context() or no_merge:
+        update(strategy, *all_args)
+    else:
+        tf.distribute.get_replica_context().merge_call(update, args=all_args)
+
+
+def replace_train_step(model: Any, make_step: Any, who: str = "overflow keeper") -> None:
+    """Makes `model`'s step, from its next trace on, the function `make_step(step)` returns
+    for the step below it (a patch of `tfmixprec._keras.patches`, made by `who`, over what the
+    model has: the class's `train_step`, a user's own, set before or since, the state
+    guard's); `make_step=None` takes `who`'s patch out.
+
+    Why: Keras traces `model.train_step` into its train function and offers no hook inside
+    the step; tfmixprec's `diagnose=` keeps the batch of an overflow step there, on any model
+    (a KerasHub task model's `train_step` is Keras's own). An instance attribute wins over
+    the class's method for this model alone: its class, saved config and other models are
+    untouched. The caller retraces (`make_train_function(force=True)`).
+    """
+    undo_all(model, "train_step", who)
+    if make_step is not None:
+        patch(model, "train_step", who, make_step)
+
+
+# On a `train_step` that compiles itself with XLA where the model asks for XLA: the train
+# function around it is built without XLA (`make_train_function`).
+STEP_COMPILES_ITSELF = "tfmixprec_compiles_itself"
+
+
+def make_train_function(model: Any) -> None:
+    """`model.make_train_function(force=True)`; where the model's `train_step` compiles
+    itself with XLA (it carries `STEP_COMPILES_ITSELF`) and the model asks for XLA, the train
+    function Keras builds around it is built without XLA.
+
+    Why: Keras compiles its per-batch function, `train_step` included, with XLA when
+    `model.jit_compile` is set, and reads that setting only when it builds the train function
+    (`_make_function`, Keras 3.12 to 3.15). XLA compiles a variable's shape into the step;
+    tfmixprec's batch keeper (`overflow_batches`) grows its rows in the step where a batch is
+    larger, so it runs just outside the XLA step: the step is XLA's as Keras would compile it,
+    and the model's setting is put back right after the build.
+    """
+    jit = model.jit_compile
+    outside = jit and getattr(model.train_step, STEP_COMPILES_ITSELF, False)
+    if outside:
+        model.jit_compile = False
+    try:
+        model.make_train_function(force=True)
+    finally:
+        if outside:
+            model.jit_compile = jit
+
+
+def in_xla_context() -> bool:
+    """Whether the function being traced now is compiled with XLA (inside a
+    `tf.function(jit_compile=True)`, or called from one); False when eager.
+
+    Why: TensorFlow says so only through its internal `control_flow_util`, which its own
+    `tf.while_loop` asks to lower a loop for XLA.
+    """
+    if tf.executing_eagerly():
+        return False
+    return bool(_xla_context(tf.compat.v1.get_default_graph()))
+
+
+def traced_train_functions(model: Any) -> list[Any]:
+    """The concrete functions Keras has traced for `model.train_function` (its per-execution
+    `tf.function`; the per-batch step, XLA-compiled or not, is a function called inside).
+
+    Why: Keras 3.12 to 3.15 return a plain Python function from `_make_function` that calls
+    its `tf.function` (`multi_step_on_iterator`, a closure variable) with the iterator; the
+    traced graphs are reachable only through that closure and TensorFlow's private list of a
+    `tf.function`'s concrete functions.
+    """
+    function = getattr(model, "train_function", None)
+    if not inspect.isfunction(function):
+        return []  # none yet, or one set by the user (not Keras's)
+    traced = inspect.getclosurevars(function).nonlocals.get("multi_step_on_iterator")
+    if traced is None or not hasattr(traced, "_list_all_concrete_functions"):
+        return []  # run eagerly: nothing traced
+    return list(traced._list_all_concrete_functions())

@@ -1,0 +1,30 @@
+"""A `.keras` archive as Keras's saving library lays it out, for the audit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Why: keras-team/keras#20585 (see `MultiWorkerFit`): tfmixprec's fix must apply exactly where
+# Keras's trainer takes its multi-worker path, so it asks Keras's own test.
+
+# Why: see `in_xla_context`.
+
+
+__all__: list[str] = []  # private module: nothing here is part of the package's API
+
+
+# Why: the audit reads a `.keras` archive as Keras's saving library lays it out (its
+# `saving_lib`): the model's config and its variables, with the optimizer's in a group of its
+# own (an `inner_optimizer` group inside it for a loss-scale wrapper).
+ARCHIVE_CONFIG = "config.json"
+
+
+ARCHIVE_WEIGHTS = "model.weights.h5"
+
+
+def saved_optimizer_wrapped(weights: Any) -> bool | None:
+    """Whether the optimizer state in an open `model.weights.h5` (an `h5py.File`) is a
+    loss-scale wrapper's (it has an inner optimizer), or None when it holds none."""
+    if "optimizer" not in weights:
+        return None
+    return "inner_optimizer" in weights["optimizer"]

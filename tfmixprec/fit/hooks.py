@@ -1,0 +1,149 @@
+"""The hooks tfmixprec adds to a `fit`: the watch and progress bar of
+`MixedPrecisionModel.fit`, and the replay of kept overflow batches behind the callbacks'
+`diagnose=`."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import keras
+
+from tfmixprec._common.text import docs_page
+from tfmixprec.fit.overflow_batches import (
+    current_keeper,
+    keep_for_callbacks,
+    stop_keeping_for_callbacks,
+)
+from tfmixprec.fit.reader import FitReader
+from tfmixprec.replay.diagnosis import OverflowDiagnosis, explain_overflow
+from tfmixprec.scaling.optimizer import LossScaleOptimizer
+
+__all__: list[str] = []  # private module: nothing here is part of the package's API
+
+
+class Diagnoser:
+    """Replays the batches of overflow steps that the model keeps (see
+    `MixedPrecisionModel.keep_overflow_batches`) with `explain_overflow`, `limit` per `fit`."""
+
+    def __init__(self, limit: int, who: str) -> None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise ValueError(
+                "diagnose must be an int >= 0: how many overflow steps to replay per fit "
+                f"(0: none). Received: diagnose={limit!r}"
+            )
+        self.limit, self.who = limit, who
+        self._keeper: Any = None
+        self._first = self._done = 0
+
+    def start(self, callback: Any, optimizer: LossScaleOptimizer | None) -> None:
+        """Keeps overflow batches for this `fit` in the step of `callback`'s model (any
+        model); nothing to keep without a tfmixprec `LossScaleOptimizer` (no step is skipped
+        then)."""
+        self._keeper, self._first, self._done = None, 0, 0
+        if not self.limit or optimizer is None:
+            return
+        # Keras gives every callback of one fit the same `params` dict: it marks the fit.
+        fit = callback.params
+        self._keeper = keep_for_callbacks(callback.model, self.limit, self.who, fit)
+        keeper = self._keeper
+        self._first = 0 if keeper is None else min(keeper.seen, keeper.limit)
+
+    def new(self, model: Any) -> list[tuple[int, OverflowDiagnosis]]:
+        """Diagnoses of the overflow steps kept since the last call (one integer read from
+        the device; a batch copied only when it is new). A batch that cannot be replayed ends
+        the replay for this `fit` with a warning; it never stops training."""
+        if self._keeper is None or self._done >= self.limit:
+            return []
+        seen = self._keeper.poll(model)  # one read (the rows grown where a batch did not fit)
+        fresh = self._keeper.kept_from(self._first + self._done, seen)
+        fresh = fresh[: self.limit - self._done]
+        self._done += len(fresh)
+        found = []
+        for kept in fresh:
+            try:
+                found.append((kept.step, explain_overflow(model, kept.batch, scale=kept.scale)))
+            except (TypeError, ValueError) as err:
+                warnings.warn(
+                    f"{self.who} could not replay overflow step {kept.step}, so diagnose= is "
+                    f"off for the rest of this fit (training goes on): {err} "
+                    f"{docs_page('guides/why-overflow')}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._done = self.limit
+                break
+        return found
+
+    def stop(self, model: Any) -> None:
+        if self._keeper is not None:
+            stop_keeping_for_callbacks(model)
+        self._keeper = None
+
+
+class FitWatch(keras.callbacks.Callback):
+    """Added first to `MixedPrecisionModel.fit`'s callbacks: puts the epoch's number of overflow
+    steps in the epoch logs as `overflow` (so History, CSVLogger and the progress bar show it),
+    and reports a `min_scale` overflow (`on_min_scale`) every `update_freq` batches and at
+    epoch end, so `"raise"` stops `fit` promptly. One scalar read per check."""
+
+    def __init__(self, update_freq: int = 50) -> None:
+        super().__init__()
+        self.update_freq = update_freq
+        self.reader = FitReader("MixedPrecisionModel.fit", update_freq)  # the bar's too
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        self.reader.set_model(model)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.reader.train_begin()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.reader.epoch_begin()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self.reader.due(batch):
+            self.model.optimizer.check_min_scale()
+        keeper = current_keeper(self.model)
+        if keeper is not None and keeper.owner == "user":  # `keep_overflow_batches`
+            keeper.poll(self.model)  # one read; the rows grown where a batch did not fit
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs is not None:
+            logs["overflow"] = self.reader.epoch_overflows()
+        self.model.optimizer.check_min_scale()
+
+
+# What the progress bar leaves out: totals since the optimizer was created, kept in the logs
+# (History, CSVLogger) but not what a person watches while training.
+NOT_ON_THE_BAR = ("overflow_steps", "skipped_fraction")
+
+
+class ProgressBar(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar for `MixedPrecisionModel.fit`, showing of the loss-scale values
+    only what a person watches: `loss_scale`, and `overflow` as the epoch's number of overflow
+    steps so far, once there is one (Keras prints a 0 as `0.0000e+00`). The logs that History,
+    CSVLogger and the other callbacks see are not changed. `reader` is the `FitWatch`'s, which
+    runs first and reads the epoch's starting total once."""
+
+    def __init__(self, reader: FitReader) -> None:
+        super().__init__()
+        self._reader = reader
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        logs = dict(logs or {})
+        if "overflow_steps" in logs:
+            logs["overflow"] = self._reader.epoch_overflows(logs["overflow_steps"])
+        super().on_train_batch_end(batch, bar_view(logs))
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        super().on_epoch_end(epoch, bar_view(dict(logs or {})))
+
+
+def bar_view(logs: dict) -> dict:
+    """`logs` without the totals, and without `overflow` while it is 0."""
+    view = {k: v for k, v in logs.items() if k not in NOT_ON_THE_BAR}
+    if not view.get("overflow", 1):
+        del view["overflow"]
+    return view

@@ -1,0 +1,528 @@
+"""The batches of overflow steps, kept on the device from inside the training step.
+
+`explain_overflow` (the callbacks' `diagnose=`) and `PrecisionRepair` replay the batch of an
+overflow step after it ran. The step keeps it in variables on the device, where the host
+waits for nothing: no host copy, and no branch on a device value.
+
+- Each tensor of the batch `(x, y, sample_weight)` has one variable of rows: the batches of the
+  first `limit` overflow steps since the keeper was (re)started, then, where asked for
+  (`PrecisionRepair`), the newest overflow step's, then a scratch row. Every step writes its
+  batch into one or two rows with a scatter: the slots its overflow flag chooses, or the
+  scratch row on a clean step. A step costs a device copy of its batch, however many slots.
+- The rows grow, in the step, where a batch is larger than any before: a branch decided by
+  shapes alone, which the host knows without waiting for the device. A smaller batch (a
+  ragged last batch) is padded, and its own shape kept beside it.
+- XLA compiles a variable's size into the step, so under `jit_compile=True` the keeper
+  compiles the model's step with XLA itself and keeps the batch just outside it
+  (`_keras.fit.make_train_function` builds Keras's train function around it without XLA).
+  Where Keras builds the train function itself with XLA (a `compile()` after
+  `keep_overflow_batches`), the keeper runs inside XLA with rows of fixed size: a batch larger
+  than any before is not kept (`missed`, said in a warning), and `poll` grows the rows.
+- Each replica keeps its own batch (sync-on-read variables), for `PrecisionRepair`, which
+  replays them all.
+
+The host reads the slots only when a callback acts on them: `poll` (the callbacks call it
+after each batch) reads one vector of counts; `kept` and `latest` copy batches to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmixprec._common.text import docs_page
+from tfmixprec._keras.fit import (
+    STEP_COMPILES_ITSELF,
+    in_xla_context,
+    make_train_function,
+    replace_train_step,
+)
+from tfmixprec.scaling.unscaling import replica_variable
+
+__all__ = ["KeptBatch", "OverflowBatches"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptBatch:
+    """The batch of one overflow step, copied to the host for a replay.
+
+    Attributes:
+        step: Int. The step (0-based, skipped steps counted, as the loss-scale counters).
+        scale: Float. The loss scale that step used.
+        batch: Tuple `(x, y, sample_weight)` of NumPy arrays (`sample_weight` may be None).
+    """
+
+    step: int
+    scale: float
+    batch: tuple
+
+
+def _fitted(value: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
+    """`value` cut or zero-padded to `shape` (the same rank)."""
+    have = tf.shape(value)
+    take = tf.minimum(have, shape)
+    value = tf.slice(value, tf.zeros_like(take), take)
+    return tf.pad(value, tf.stack([tf.zeros_like(take), shape - take], axis=1))
+
+
+# Kept as float32, exactly: the narrow integers and bool, which lack a scatter kernel on some
+# devices (uint16 on a CPU, bool on a GPU).
+_AS_FLOAT32 = (tf.bool, tf.int8, tf.uint8, tf.int16, tf.uint16)
+
+
+class _Slots:
+    """One tensor of the batch: its rows (the slots, then a scratch row), the shape each slot
+    holds, and the largest shape a step has seen."""
+
+    def __init__(self, spec: tf.TensorSpec, slots: int) -> None:
+        # The sizes the trace declares; 1 where unknown (a scatter needs a row of one value).
+        known = [max(d or 1, 1) for d in spec.shape.as_list()]
+        self.dtype = spec.dtype
+        self.stored = tf.float32 if spec.dtype in _AS_FLOAT32 else spec.dtype
+        self.data = replica_variable(
+            tf.zeros([slots + 1, *known], self.stored), shape=tf.TensorShape(None)
+        )
+        self.shapes = replica_variable(tf.zeros([slots, len(known)], tf.int32))
+        self.wanted = replica_variable(tf.zeros([len(known)], tf.int32))
+
+    def held(self) -> tf.Tensor:
+        """The rows' shape, from the variable's metadata: reading its value would hold its
+        buffer, and the scatter would then copy every row first (copy on write)."""
+        return tf.raw_ops.VariableShape(input=self.data.handle)
+
+    def fits(self, value: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_all(tf.shape(value) <= self.held()[1:])
+
+    def make_room(self, value: tf.Tensor) -> None:
+        """Outside XLA: the rows grown, in the step, where `value` is larger. The branch is
+        decided by shapes alone, on the host (no device value: no wait on a GPU); the rows are
+        copied only when they grow."""
+        with tf.device("/cpu:0"):
+            held = self.held()
+            larger = tf.reduce_max(tf.shape(value) - held[1:]) > 0
+
+        def grow() -> tf.Tensor:
+            size = tf.concat([held[:1], tf.maximum(held[1:], tf.shape(value))], 0)
+            self.data.assign(_fitted(tf.convert_to_tensor(self.data), size))
+            return tf.constant(True)
+
+        with tf.name_scope("keeper_rows_grow"):
+            tf.cond(larger, grow, lambda: tf.constant(False))
+
+    def write(self, value: tf.Tensor, rows: tf.Tensor, chosen: tf.Tensor) -> list[Any]:
+        """Writes `value` into `rows` (a vector of row numbers; the scratch row where nothing
+        is kept) and its shape into the `chosen` slots; notes its shape."""
+        room = self.held()[1:]
+        row = _fitted(tf.cast(value, self.stored), room)[tf.newaxis]
+        copies = tf.tile(row, tf.concat([tf.shape(rows), tf.ones_like(room)], 0))
+        shape = tf.shape(value)
+        # The op itself: a sync-on-read variable has no `scatter_nd_update` in replica
+        # context, where its `handle` is this replica's copy's.
+        update = tf.raw_ops.ResourceScatterNdUpdate
+        return [
+            update(ref=self.data.handle, indices=rows[:, tf.newaxis], updates=copies),
+            self.shapes.assign(tf.where(chosen[:, tf.newaxis], shape[tf.newaxis], self.shapes)),
+            self.wanted.assign(tf.maximum(self.wanted, shape)),
+        ]
+
+    def grow(self) -> bool:
+        """Between steps: every copy's rows grown to the largest shape any replica saw."""
+        wanted = np.max([w.numpy() for w in _local(self.wanted)], axis=0)
+        size = tf.shape(_local(self.data)[0]).numpy()
+        if (wanted <= size[1:]).all():
+            return False
+        size = tf.constant([size[0], *np.maximum(wanted, size[1:])])
+        for copy in _local(self.data):
+            copy.assign(_fitted(tf.convert_to_tensor(copy), size))
+        return True
+
+    def read(self, copy: int, slot: int) -> np.ndarray:
+        data = _local(self.data)[copy].numpy()[slot]
+        shape = _local(self.shapes)[copy].numpy()[slot]
+        return data[tuple(slice(0, n) for n in shape)].astype(self.dtype.as_numpy_dtype)
+
+
+def _local(variable: Any) -> tuple:
+    """Each replica's copy of a sync-on-read variable (one without a strategy)."""
+    values = getattr(variable, "values", None)
+    return tuple(values) if values is not None else (variable,)
+
+
+# The counts each step adds to: overflow steps kept, steps whose batch did not fit the rows,
+# and overflow steps whose batch did not fit (not kept).
+_KEPT, _UNFIT, _MISSED = 0, 1, 2
+
+
+class OverflowBatches:
+    """Keeps the batches of the first `limit` overflow steps, and the newest overflow step's
+    (one a replica; `latest=True`), in variables on the device, from inside the training step.
+    `MixedPrecisionModel.keep_overflow_batches` puts one in the step.
+
+    A clean step reads no value on the host and branches on none: it writes its batch into a
+    scratch row. `poll` (after each batch, from the callbacks and `MixedPrecisionModel.fit`)
+    reads the counts and grows the rows where a batch did not fit; `kept` and `latest` copy
+    batches to the host.
+
+    Args:
+        limit: Int >= 0. How many overflow steps' batches to keep (from the first).
+        owner: String. `"user"` (`keep_overflow_batches`) or `"callbacks"` (a `diagnose=`
+            switch or `PrecisionRepair`, for the length of a `fit`).
+        latest: Bool. Also keep the newest overflow step's batch (`latest`), one a replica.
+    """
+
+    def __init__(self, limit: int, owner: str = "user", latest: bool = True) -> None:
+        self.limit = limit
+        self.owner = owner
+        self.keeps_latest = latest  # fixed, as `limit`, once a traced step made the slots
+        self.fit: Any = None  # for the callbacks' keeper: the `fit` it keeps for
+        # A callbacks' keeper is dormant between fits (`stop_keeping_for_callbacks`): nobody
+        # reads it, and the train function traced with it (`traced`) is reused by the next fit.
+        self.active = True
+        self.traced: Any = None
+        self.unkept: str | None = None  # why the traced step keeps nothing (said once)
+        self.stale = False  # a trace met another batch structure: `poll(model)` traces again
+        self._counts: tf.Variable | None = None  # `_KEPT`, `_UNFIT`, `_MISSED`
+        self._unfit_seen = 0  # `_UNFIT` when the rows were last grown
+        self._missed_said = 0  # `_MISSED` when last said
+        self._steps: tf.Variable | None = None  # per slot: the step, and its scale
+        self._scales: tf.Variable | None = None
+        self._slots: list[_Slots | None] = []  # per tensor of the flattened batch
+        self._spec: Any = None
+        self._lock = threading.Lock()  # replicas trace in threads
+
+    @property
+    def _size(self) -> int:
+        return self.limit + int(self.keeps_latest)
+
+    # ------------------------------------------------------------ in the step
+    def keep_if_overflow(self, data: Any, overflowed: tf.Tensor, optimizer: Any) -> None:
+        """In the step, after `apply`: writes the batch into the slots of an overflow step
+        (the next of the first `limit`, and the newest), with its scale and step, or into the
+        scratch row on a clean step. No host copy, and no branch on a device value: outside XLA
+        the rows grow in the step where the batch is larger (a branch on shapes, decided on
+        the host); inside XLA, whose step keeps a variable's size, `poll` grows them."""
+        batch = keras.utils.unpack_x_y_sample_weight(data)
+        flat = tf.nest.flatten(batch)
+        if not self._ready(batch, flat):
+            return
+        slots = [(x, s) for x, s in zip(flat, self._slots) if s is not None]
+        if not in_xla_context():
+            for tensor, slot in slots:
+                slot.make_room(tensor)
+        fits = tf.reduce_all(tf.stack([s.fits(x) for x, s in slots]))
+        kept = tf.logical_and(overflowed, fits)
+        count = tf.convert_to_tensor(self._counts)[_KEPT]
+        scratch = tf.constant(self._size, tf.int64)
+        rows = [tf.where(tf.logical_and(kept, count < self.limit), count, scratch)]
+        if self.keeps_latest:
+            rows.append(tf.where(kept, tf.constant(self.limit, tf.int64), scratch))
+        rows = tf.stack(rows)
+        chosen = tf.reduce_any(tf.range(self._size, dtype=tf.int64)[:, None] == rows, axis=1)
+        for tensor, slot in slots:
+            slot.write(tensor, rows, chosen)
+        step = tf.cast(optimizer.last_overflow_step(), tf.int64)
+        scale = tf.cast(optimizer.last_overflow_scale, tf.float32)
+        self._steps.assign(tf.where(chosen, step, self._steps))
+        self._scales.assign(tf.where(chosen, scale, self._scales))
+        missed = tf.logical_and(overflowed, tf.logical_not(fits))
+        added = tf.stack([kept, tf.logical_not(fits), missed])
+        self._counts.assign_add(tf.cast(added, tf.int64))
+
+    def _ready(self, batch: Any, flat: list[Any]) -> bool:
+        """Creates the variables at the first trace (a tensor each); False where the batch
+        cannot be kept: said once where it is not dense; another structure than the first
+        trace's makes the keeper `stale` (`poll(model)` traces the step again)."""
+        with self._lock:
+            if self.unkept is not None or self.stale:
+                return False
+            kinds = [x for x in flat if x is not None and not isinstance(x, tf.Tensor)]
+            if kinds:
+                return self._cannot(f"a {type(kinds[0]).__name__} in the batch")
+            spec = tf.nest.map_structure(_spec_of, batch)
+            if self._counts is None:
+                with tf.init_scope():
+                    self._create(spec, flat)
+            elif not _same_structure(self._spec, spec):
+                self.stale = True
+                if self.owner == "user":
+                    warnings.warn(
+                        "tfmixprec: batches are not kept: a batch of another structure or "
+                        "dtype than the first; call keep_overflow_batches again "
+                        f"{docs_page('guides/why-overflow')}",
+                        stacklevel=5,
+                    )
+                return False
+        return True
+
+    def _create(self, spec: Any, flat: list[Any]) -> None:
+        self._counts = replica_variable(tf.zeros([3], tf.int64))
+        self._unfit_seen = self._missed_said = 0
+        self._steps = replica_variable(tf.fill([self._size], tf.constant(-1, tf.int64)))
+        self._scales = replica_variable(tf.zeros([self._size], tf.float32))
+        self._slots = [None if x is None else _Slots(_spec_of(x), self._size) for x in flat]
+        self._spec = spec
+
+    def _cannot(self, why: str) -> bool:
+        self.unkept = f"batches are not kept: {why} (only dense tensors are kept)"
+        warnings.warn(f"tfmixprec: {self.unkept}. {docs_page('guides/why-overflow')}", stacklevel=5)
+        return False
+
+    # ------------------------------------------------------------ on the host
+    def poll(self, model: Any = None) -> int:
+        """Between steps: reads the counts (one small read), grows the rows where a step's
+        batch did not fit, and, given the `model` whose step holds this keeper, traces that
+        step again where it met another batch structure. Returns `seen`."""
+        if self.stale and model is not None and current_keeper(model) is self:
+            self.forget()
+            set_keeper(model, self)
+        if self._counts is None:
+            return 0
+        counts = _local(self._counts)[0].numpy()
+        if counts[_MISSED] > self._missed_said:
+            self._missed_said = int(counts[_MISSED])
+            warnings.warn(
+                f"tfmixprec: {self._missed_said} overflow step(s) not kept for a replay: the "
+                "batch keeper ran inside an XLA step that Keras built itself (a compile() after "
+                "keep_overflow_batches, say), which keeps the rows' size, and the batch was "
+                "larger than any before; they are grown now. Call keep_overflow_batches again "
+                f"after compile(). {docs_page('guides/why-overflow')}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        if counts[_UNFIT] > self._unfit_seen:
+            self._unfit_seen = int(counts[_UNFIT])
+            for slots in self._slots:
+                if slots is not None:
+                    slots.grow()
+        return int(counts[_KEPT])
+
+    @property
+    def seen(self) -> int:
+        """Overflow steps kept since the keeper (re)started (`poll`)."""
+        return self.poll()
+
+    @property
+    def missed(self) -> int:
+        """Overflow steps since the keeper (re)started whose batch was larger than the rows
+        then (an unknown batch size in the first step, or a larger batch): not kept."""
+        return 0 if self._counts is None else int(_local(self._counts)[0].numpy()[_MISSED])
+
+    @property
+    def kept(self) -> list[KeptBatch]:
+        """The batches of the first `limit` overflow steps, copied to the host (the first
+        replica's)."""
+        return self.kept_from(0)
+
+    def kept_from(self, first: int, seen: int | None = None) -> list[KeptBatch]:
+        """`kept[first:]`: only those batches copied (`seen`: the count, if read already)."""
+        seen = self.seen if seen is None else seen
+        return [self._read(0, slot) for slot in range(first, min(seen, self.limit))]
+
+    @property
+    def latest(self) -> list[KeptBatch]:
+        """The newest overflow step's batch, one a replica (empty before the first, or when
+        the keeper does not keep it)."""
+        if not self.keeps_latest or not self.seen:
+            return []
+        return [self._read(copy, self.limit) for copy in range(len(_local(self._counts)))]
+
+    @property
+    def traced_once(self) -> bool:
+        """Whether a traced step has created the slots (their number is fixed from then)."""
+        return self._counts is not None
+
+    def forget(self) -> None:
+        """Drops the slots: the next traced step makes them again (for another `limit`, the
+        newest batch or another batch structure), and keeps from there."""
+        self._counts = self._steps = self._scales = self._spec = None
+        self._slots, self.unkept, self.stale = [], None, False
+
+    def restart(self) -> None:
+        """Keeps from the next overflow step on as if new (the rows are reused)."""
+        if self._counts is not None:
+            for copy in _local(self._counts):
+                copy.assign(tf.zeros([3], tf.int64))
+            self._unfit_seen = self._missed_said = 0
+
+    def _read(self, copy: int, slot: int) -> KeptBatch:
+        arrays = iter([s.read(copy, slot) for s in self._slots if s is not None])
+        flat = [None if s is None else next(arrays) for s in self._slots]
+        batch = tuple(tf.nest.pack_sequence_as(self._spec, flat))
+        step = int(_local(self._steps)[copy].numpy()[slot])
+        scale = float(_local(self._scales)[copy].numpy()[slot])
+        return KeptBatch(step, scale, batch)
+
+
+def _spec_of(value: Any) -> Any:
+    return None if value is None else tf.TensorSpec.from_tensor(tf.convert_to_tensor(value))
+
+
+def _same_structure(first: Any, spec: Any) -> bool:
+    try:
+        tf.nest.assert_same_structure(first, spec)
+    except (TypeError, ValueError):
+        return False
+    pairs = zip(tf.nest.flatten(first), tf.nest.flatten(spec))
+    return all((a is None) == (b is None) and (a is None or a.dtype == b.dtype) for a, b in pairs)
+
+
+# ------------------------------------------------------------------ keeping in the step
+# Any Keras model's step can keep its overflow batches: the step is wrapped for the next trace
+# (`_keras.fit.replace_train_step`), and the wrapper writes the batch into the keeper's rows
+# after the model's own step, inside the train function Keras builds (with XLA or without).
+
+
+def cannot_keep_batches(model: Any, replicas_ok: bool = False) -> str | None:
+    """Why `model`'s step cannot keep the batch of an overflow step, or None (`replicas_ok`:
+    each replica's batch is kept, for `PrecisionRepair`, which replays them all)."""
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    if replicas > 1 and getattr(model, "jit_compile", False):
+        return (
+            f"keeping the batch of an overflow step under a strategy with {replicas} replicas "
+            "needs a step without XLA (Keras's default jit_compile='auto' compiles none under "
+            f"a strategy). Received: jit_compile={model.jit_compile!r}"
+        )
+    if replicas > 1 and not replicas_ok:
+        return (
+            "keeping the batch of an overflow step is not supported under a strategy with "
+            f"{replicas} replicas yet; call tfmixprec.explain_overflow(model, batch) on the "
+            "batch yourself."
+        )
+    steps = getattr(getattr(model, "optimizer", None), "accumulation_steps", 1)
+    if steps > 1:
+        return (
+            "with gradient accumulation an overflow is known only at the window's end, after "
+            "the micro-batch that caused it; keeping batches is not supported there yet. "
+            f"Received: accumulation_steps={steps}"
+        )
+    return None
+
+
+def current_keeper(model: Any) -> OverflowBatches | None:
+    """The `OverflowBatches` `model`'s step keeps overflow batches in, or None."""
+    return getattr(model, "_tfmixprec_overflow_batches", None)
+
+
+def set_keeper(model: Any, keeper: OverflowBatches | None) -> OverflowBatches | None:
+    """From the next traced step on, `model`'s step (any Keras model, compiled with a
+    tfmixprec `LossScaleOptimizer`) keeps the batches of its overflow steps in `keeper`; None
+    stops keeping. Either way the train function is traced again."""
+    model._tfmixprec_overflow_batches = keeper
+    replace_train_step(model, None if keeper is None else _keeping(model, keeper))
+    make_train_function(model)
+    return keeper
+
+
+def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
+    def make(step: Callable) -> Callable:
+        def keeping_step(data: Any) -> Any:
+            # Under XLA: XLA's step, as Keras would compile it, where Keras was told to leave
+            # it to this wrapper (`make_train_function`), and the batch kept outside it, where
+            # the rows can grow. A function of this trace's own: a repair's new policies trace
+            # it anew. In a train function Keras built itself with XLA, the step as it is.
+            if model.jit_compile and not in_xla_context():
+                logs = tf.function(step, jit_compile=True, reduce_retracing=True)(data)
+            else:
+                logs = step(data)
+            optimizer = model.optimizer  # read while tracing: the adopted one, if adopted
+            overflow = logs.get("overflow") if isinstance(logs, dict) else None
+            if overflow is None:  # Keras's own train_step: the optimizer's flag, in the graph
+                overflow = optimizer.snapshot()["overflow"]
+            keeper.keep_if_overflow(data, overflow > 0, optimizer)
+            return logs
+
+        # The state guard wraps a step once: the keeping wrapper says whether what it wraps
+        # is guarded already (`_adoption`), so a later adoption does not guard it twice.
+        keeping_step.tfmixprec_guarded = getattr(step, "tfmixprec_guarded", False)
+        setattr(keeping_step, STEP_COMPILES_ITSELF, True)
+        keeping_step.__wrapped__ = step
+        return keeping_step
+
+    return make
+
+
+def keep_for_callbacks(
+    model: Any,
+    limit: int,
+    who: str,
+    fit: Any = None,
+    latest: bool = False,
+    what: str = "diagnose=",
+    page: str = "guides/why-overflow",
+) -> OverflowBatches | None:
+    """For the callbacks' `diagnose=` and `PrecisionRepair`: the batches kept already (the
+    user's, or another callback's in this `fit`), else a keeper for this `fit`; None, with a
+    warning naming `who`, where batches cannot be kept (training goes on without the replay).
+
+    `fit` is what marks one `fit` (the `params` dict Keras gives every callback of a `fit`):
+    a callbacks' keeper left by an earlier `fit` that raised (Keras then skips
+    `on_train_end`) is replaced, not reused full. `latest` (for `PrecisionRepair`, which reads
+    the newest overflow step's batches, one a replica) allows any number of replicas. A
+    keeper not traced yet takes the largest `limit` asked for in its `fit`, and the newest
+    batch if any callback asks (every callback starts before the first step is traced); a
+    traced one without the newest batch makes its slots again with it, in a new trace."""
+    current = current_keeper(model)
+    if current is not None and current.owner == "callbacks" and current.fit is not fit:
+        if _can_wake(model, current, limit, latest):
+            return _wake(model, current, fit)
+        current.active = False  # left by an earlier fit (one that raised): read no more
+        current = None
+    if current is not None and not current.traced_once:
+        current.limit = max(current.limit, limit)
+        current.keeps_latest = current.keeps_latest or latest
+    if current is not None and (current.keeps_latest or not latest):
+        return current
+    reason = cannot_keep_batches(model, replicas_ok=latest)
+    if current is not None and reason is None:  # traced without the newest batch: again
+        current.forget()
+        current.keeps_latest = True
+        return set_keeper(model, current)
+    if reason is not None:
+        if current_keeper(model) is not None:  # an earlier fit's: it keeps no more
+            set_keeper(model, None)
+        link = docs_page(page)
+        warnings.warn(f"{who}: {what} is off for this fit: {reason} {link}", RuntimeWarning, 3)
+        return None
+    keeper = OverflowBatches(limit, "callbacks", latest)
+    keeper.fit = fit
+    return set_keeper(model, keeper)
+
+
+def stop_keeping_for_callbacks(model: Any) -> None:
+    """Ends the callbacks' keeping (a user's `keep_overflow_batches` is left alone).
+
+    The keeper goes dormant rather than away: nobody reads it from now on, and the class's
+    step is back for any new trace (a `compile` traces again without it), but the train
+    function traced with it stays, so the next `fit` with a callback that keeps batches
+    reuses it instead of tracing again (`fit` called in a loop, one epoch each)."""
+    current = current_keeper(model)
+    if current is not None and current.owner == "callbacks":
+        current.active = False
+        current.traced = getattr(model, "train_function", None)
+        replace_train_step(model, None)
+
+
+def _can_wake(model: Any, keeper: OverflowBatches, limit: int, latest: bool) -> bool:
+    """Whether a dormant keeper's traced train function is still the model's, and usable."""
+    if keeper.active or keeper.traced is None or keeper.limit < limit:
+        return False
+    if latest and not keeper.keeps_latest:
+        return False
+    traced = getattr(model, "train_function", None)
+    return traced is keeper.traced and cannot_keep_batches(model, replicas_ok=latest) is None
+
+
+def _wake(model: Any, keeper: OverflowBatches, fit: Any) -> OverflowBatches:
+    """A dormant keeper kept for this `fit`, as a new one would, in the same traced step."""
+    keeper.restart()
+    keeper.fit = fit
+    replace_train_step(model, _keeping(model, keeper))  # for a later trace; none now
+    keeper.active, keeper.traced = True, None
+    return keeper

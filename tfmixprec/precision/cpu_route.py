@@ -1,0 +1,50 @@
+"""Routing one layer's computation around slow CPU kernels: the mechanism `cpu_float16` and
+`cpu_bfloat16` share (which layers, and the measured reasons, are theirs).
+
+A route replaces a method on the layer instance only: the class, the layer's config, its
+saved file and every other model are untouched. A layer takes one route, once.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from tfmixprec._keras.patches import Patch, patch, patches_of
+from tfmixprec.precision.hardware import HardwareInfo, detect_hardware
+
+__all__: list[str] = []  # private module: nothing here is part of the package's API
+
+_WHO = "cpu route "  # a route's patch is made by "cpu route <its name>" (`_keras.patches`)
+
+
+def cpu_only(hardware: HardwareInfo | None) -> bool:
+    """True on a machine without a GPU or TPU (`hardware` detected when `None`)."""
+    hardware = detect_hardware() if hardware is None else hardware
+    return not hardware.gpus and not hardware.tpus
+
+
+def _route_patches(layer: Any) -> list[Patch]:
+    return [p for p in patches_of(layer) if p.who.startswith(_WHO)]
+
+
+def route_of(layer: Any) -> str | None:
+    """The name of the route `layer` takes, or None."""
+    found = _route_patches(layer)
+    return found[0].who[len(_WHO) :] if found else None
+
+
+def route(layer: Any, name: str, attribute: str, method: Any) -> None:
+    """Makes `layer.<attribute>` call `method(layer, ...)`, unless the layer already takes a
+    route (a patch of `tfmixprec._keras.patches`)."""
+    if route_of(layer) is None:
+        patch(layer, attribute, _WHO + name, lambda _: types.MethodType(method, layer))
+
+
+def unroute(layer: Any) -> str | None:
+    """Takes `layer` off its route (the class's method again); returns the route's name, or
+    None when it took none. For a layer whose computation changes kind (`float8_layers`)."""
+    name = route_of(layer)
+    for handle in _route_patches(layer):
+        handle.undo()
+    return name

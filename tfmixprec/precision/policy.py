@@ -1,0 +1,393 @@
+"""Setting and choosing dtype policies, and forcing float32 on output and softmax layers."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import keras
+
+from tfmixprec._common.layers import check_built_model, forget_traced_functions, iter_layers
+from tfmixprec._common.observe import observe
+from tfmixprec._common.text import docs_page
+from tfmixprec.precision import cpu_float16
+from tfmixprec.precision.hardware import GPUInfo, HardwareInfo, detect_hardware
+
+__all__ = [
+    "PolicyChoice",
+    "PolicyChange",
+    "choose_policy",
+    "set_policy",
+    "policy_scope",
+    "float32_outputs",
+]
+
+POLICY_NAMES = ("mixed_float16", "mixed_bfloat16", "float32", "auto")
+LOW_PRECISION = ("float16", "bfloat16")
+# Activations whose float16 output loses too much (saturation, log of tiny values).
+FLOAT32_ACTIVATIONS = ("softmax", "log_softmax", "sigmoid")
+_WARNED = {"float16_without_gpu": False}  # set_policy's warning comes once per process
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyChoice:
+    """The policy `auto` picks, and why.
+
+    Args:
+        name: String. A Keras policy name.
+        reason: String. One sentence saying why.
+    """
+
+    name: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyChange:
+    """One layer whose policy `float32_outputs` changed."""
+
+    layer: str
+    old: str
+    new: str
+    why: str
+
+
+def choose_policy(hardware: HardwareInfo | None = None) -> PolicyChoice:
+    """Picks the fastest safe policy for the hardware.
+
+    `mixed_bfloat16` on TPUs and on NVIDIA GPUs with compute capability >= 8.0 (no loss
+    scaling needed); `mixed_float16` on compute capability 7.x (float16 Tensor Cores only);
+    `mixed_bfloat16` on CPUs with AVX512_BF16 or AMX_BF16; `float32` otherwise (older GPUs and
+    CPUs without bfloat16, where mixed precision is slower). With several GPUs the weakest
+    decides, since all replicas run one policy.
+
+    Args:
+        hardware: `HardwareInfo`. The devices; detected when `None`.
+
+    Returns:
+        A `PolicyChoice` with `name` and `reason`.
+
+    Example:
+
+    >>> tfmixprec.choose_policy().name  # on this machine
+    >>> a100 = tfmixprec.HardwareInfo(gpus=(tfmixprec.GPUInfo("NVIDIA A100", (8, 0)),))
+    >>> tfmixprec.choose_policy(a100).name
+    'mixed_bfloat16'
+    """
+    hw = detect_hardware() if hardware is None else hardware
+    if hw.tpus:
+        return PolicyChoice(
+            "mixed_bfloat16", f"{hw.tpus} TPU device(s): TPUs compute natively in bfloat16."
+        )
+    if hw.gpus:
+        return _choose_for_gpus(hw.gpus)
+    if hw.cpu_bfloat16:
+        flags = "AMX_BF16" if hw.cpu_amx else "AVX512_BF16"
+        return PolicyChoice(
+            "mixed_bfloat16",
+            f"no GPU; the CPU ({hw.cpu_name or 'unknown'}) has {flags}: bfloat16 matmuls run "
+            "natively (about 2x float32). A whole model gains less, some nothing (a MobileNet "
+            "measured 0.95x float32): `tfmixprec bench --model` measures yours.",
+        )
+    return PolicyChoice(
+        "float32",
+        "no GPU and no CPU bfloat16 support (AVX512_BF16/AMX_BF16): float16 and bfloat16 "
+        "would be emulated and slower than float32.",
+    )
+
+
+def _choose_for_gpus(gpus: tuple[GPUInfo, ...]) -> PolicyChoice:
+    """The policy for NVIDIA GPUs: the weakest compute capability decides."""
+    ccs = [g.compute_capability for g in gpus]
+    if any(cc is None for cc in ccs):
+        names = ", ".join(g.name for g in gpus if g.compute_capability is None)
+        return PolicyChoice(
+            "float32",
+            f"GPU(s) with unknown compute capability ({names}): no known fast float16 "
+            "or bfloat16 path, so float32 is the safe choice.",
+        )
+    weakest = min(ccs)
+    cc_text = f"{weakest[0]}.{weakest[1]}"
+    if weakest >= (8, 0):
+        return PolicyChoice(
+            "mixed_bfloat16",
+            f"NVIDIA GPU(s) with compute capability {cc_text} (>= 8.0) have bfloat16 "
+            "Tensor Cores; bfloat16 has float32's range, so no loss scaling is needed.",
+        )
+    if weakest >= (7, 0):
+        return PolicyChoice(
+            "mixed_float16",
+            f"NVIDIA GPU(s) with compute capability {cc_text} have float16 Tensor Cores "
+            "but no bfloat16 ones; use float16 with loss scaling.",
+        )
+    return PolicyChoice(
+        "float32",
+        f"NVIDIA GPU(s) with compute capability {cc_text} (< 7.0) have no Tensor Cores: "
+        "mixed precision would be slower than float32.",
+    )
+
+
+def check_policy_name(name: Any) -> str:
+    """Returns the policy name of `name` (a string or a `keras.DTypePolicy`), or raises."""
+    if isinstance(name, keras.DTypePolicy):
+        name = name.name
+    if not isinstance(name, str):
+        raise TypeError(
+            f"policy must be a policy name (one of {list(POLICY_NAMES)}). "
+            f"Received: name={name!r} of type {type(name).__name__}"
+        )
+    if name not in POLICY_NAMES:
+        close = difflib.get_close_matches(name, POLICY_NAMES, n=1, cutoff=0.4)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"Unknown policy name. Valid names: {', '.join(POLICY_NAMES)}.{hint} "
+            f"Received: name={name!r}"
+        )
+    return name
+
+
+def set_policy(name: str | keras.DTypePolicy, hardware: HardwareInfo | None = None) -> Any:
+    """Sets Keras's global dtype policy; `"auto"` picks one by hardware.
+
+    Args:
+        name: String. `"mixed_float16"`, `"mixed_bfloat16"`, `"float32"` or `"auto"`.
+        hardware: `HardwareInfo`. Used by `"auto"`; detected when `None`.
+
+    Returns:
+        The `keras.DTypePolicy` now in effect.
+
+    Raises:
+        ValueError: For an unknown name (the message suggests the closest valid one).
+        TypeError: For a value that is not a string.
+
+    Warns:
+        UserWarning: Once per process, for `"mixed_float16"` on a machine without a GPU or
+            TPU: float16 is slow there; the warning names the faster policy for the machine
+            and what `tfmixprec.cpu_float16` does about the slow kernels.
+
+    Example:
+
+    >>> tfmixprec.set_policy("auto").name  # what choose_policy() picks on this machine
+    """
+    name = check_policy_name(name)
+    if name == "auto":
+        name = choose_policy(hardware).name
+    keras.config.set_dtype_policy(name)
+    cpu_float16.route_around_fused_matmul(name)  # float16 without a GPU
+    _warn_float16_without_gpu(name, hardware)
+    return keras.config.dtype_policy()
+
+
+def float16_without_gpu_note(hardware: HardwareInfo) -> str:
+    """Why `mixed_float16` is slow on a machine without a GPU and what to do (said by
+    `set_policy`'s warning and by `doctor`): two sentences and the docs page."""
+    head = (
+        "mixed_float16 without a GPU is at best about as fast as float32: for speed on this "
+        f"machine use {choose_policy(hardware).name!r} (tfmixprec.set_policy('auto') picks it). "
+    )
+    if not cpu_float16.applies("mixed_float16", hardware):
+        fix = (
+            "tfmixprec's routes around TensorFlow's slow float16 CPU kernels are off; "
+            "tfmixprec.cpu_float16.enable() turns them on."
+        )
+    else:
+        fix = (
+            "tfmixprec.cpu_float16 routes around TensorFlow's slow float16 CPU kernels in "
+            "MixedPrecisionModel and make_train_step; for a plain keras.Model call "
+            "tfmixprec.cpu_float16.fast_float16_layers(model)."
+        )
+    return f"{head}{fix} {docs_page('guides/float16-on-cpus')}"
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` that points a warning at the first caller outside this module (and
+    outside `contextlib`, for `policy_scope`)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename in (__file__, contextlib.__file__):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_float16_without_gpu(name: str, hardware: HardwareInfo | None) -> None:
+    if name != "mixed_float16" or _WARNED["float16_without_gpu"]:
+        return
+    hardware = detect_hardware() if hardware is None else hardware
+    if hardware.gpus or hardware.tpus:
+        return
+    _WARNED["float16_without_gpu"] = True
+    warnings.warn(float16_without_gpu_note(hardware), UserWarning, stacklevel=_user_stacklevel())
+
+
+@contextlib.contextmanager
+def policy_scope(name: str, hardware: HardwareInfo | None = None) -> Iterator[Any]:
+    """Sets the global policy inside a `with` block and restores the previous one on exit.
+
+    Args:
+        name: String. As for `set_policy`.
+        hardware: `HardwareInfo`. Used by `"auto"`.
+
+    Yields:
+        The `keras.DTypePolicy` in effect inside the block.
+
+    Example:
+
+    >>> with tfmixprec.policy_scope("mixed_bfloat16"):
+    ...     model = build_model()
+    """
+    check_policy_name(name)  # fail before touching the global policy
+    previous = keras.config.dtype_policy()
+    try:
+        yield set_policy(name, hardware)
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def _activation_name(layer: Any) -> str | None:
+    activation = getattr(layer, "activation", None)
+    if activation is None or not callable(activation):
+        return None
+    return getattr(activation, "__name__", None)
+
+
+def float32_reason(layer: Any) -> str | None:
+    """Why `layer` must compute in float32 on its own account (softmax-like), or None."""
+    if isinstance(layer, keras.layers.Softmax):
+        return "Softmax layer"
+    name = _activation_name(layer)
+    if name in FLOAT32_ACTIVATIONS:
+        return f"{name} activation"
+    return None
+
+
+def float32_outputs(model: keras.Model) -> list[PolicyChange]:
+    """Makes the layers that produce float16/bfloat16 model outputs compute in float32.
+
+    The loss sees the model's outputs: a softmax (or any output) in float16 saturates and
+    loses the small probabilities whose log the loss takes. Which outputs are float16 or
+    bfloat16 is read from one real call of the model on a batch of zeros, not from the
+    layers' policies (KerasHub's causal LMs return float32 logits from a float16 layer:
+    nothing to change there). Softmax, sigmoid and log-softmax layers inside the model are
+    left alone: their consumers compute in float16/bfloat16 anyway, where a float32 softmax
+    changes nothing measurable (`benchmarks/softmax_precision.py`), and an attention whose
+    softmax turned float32 would compute its product with the values in float32 too.
+
+    Works on built Sequential, functional and subclassed models, nested ones included. No
+    weight value changes (mixed policies already store variables in float32); a second call
+    changes nothing.
+
+    Args:
+        model: `keras.Model`. A built model.
+
+    Returns:
+        List of `PolicyChange(layer, old, new, why)`, one per changed layer.
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model`.
+        ValueError: If the model is not built, or is a subclassed model that cannot be called
+            on a batch of zeros.
+
+    Example:
+
+    >>> tfmixprec.set_policy("mixed_float16")
+    >>> probs = keras.layers.Dense(3, "softmax", name="probs")
+    >>> model = keras.Sequential([keras.Input((4,)), probs])
+    >>> [c.layer for c in tfmixprec.float32_outputs(model)]
+    ['probs']
+    """
+    check_built_model(model, "float32_outputs")
+    # Decide everything first, then change: nothing is half-changed on error.
+    changes = _float32_changes(observe(model).outputs)
+    if not changes:
+        return []
+    recorded = compute_in_float32(model, [layer for layer, _ in changes])
+    if not recorded:
+        _warn_if_not_saved(model, [change for _, change in changes])
+    _warn_if_still_low(model)
+    return [change for _, change in changes]
+
+
+def compute_in_float32(
+    model: keras.Model, layers: Sequence[Any], policy_of: Callable[[Any], Any] | None = None
+) -> bool:
+    """Makes each of `layers` compute in float32 (`policy_of(layer)`: the float32 policy to
+    give it, `float32` when None) and drops `model`'s traced functions (a `fit` in progress
+    retraces with `model.make_train_function(force=True)`). Returns whether the model's saved
+    config records the change (False: a reloaded model computes them in the policy's dtype
+    again; a KerasHub task's config holds its constructor's arguments)."""
+    before = _saved_config(model)
+    for layer in layers:
+        layer.dtype_policy = keras.DTypePolicy("float32") if policy_of is None else policy_of(layer)
+    forget_traced_functions(model)
+    return before is None or _saved_config(model) != before
+
+
+def _float32_changes(outputs: Sequence[Any]) -> list[tuple[Any, PolicyChange]]:
+    """For each model output in float16/bfloat16: the layer that computed it and the layers
+    nested in it, and the pass-through layers that carried it out (see `_observe`), each with
+    the `PolicyChange` that makes it compute in float32 (layers already in float32 left out)."""
+    changes: dict[int, tuple[Any, PolicyChange]] = {}
+
+    def change(layer: Any, why: str) -> None:
+        if id(layer) not in changes and layer.dtype_policy.compute_dtype in LOW_PRECISION:
+            changes[id(layer)] = (
+                layer,
+                PolicyChange(layer.name, layer.dtype_policy.name, "float32", why),
+            )
+
+    for output in outputs:
+        if output.layer is None or output.dtype not in LOW_PRECISION:
+            continue
+        reason = float32_reason(output.layer)
+        change(
+            output.layer,
+            f"produces a model output in {output.dtype}" + (f"; {reason}" if reason else ""),
+        )
+        for part in iter_layers(output.layer):  # a layer of layers computes with them
+            change(part, f"inside {output.layer.name!r}, which produces a model output")
+        for layer in output.through:
+            change(layer, f"passes on the model output {output.layer.name!r} produces")
+    return list(changes.values())
+
+
+def _warn_if_still_low(model: keras.Model) -> None:
+    """Warns of model outputs still in float16/bfloat16 after the change: made by an
+    operation no layer's dtype controls."""
+    left = [out.dtype for out in observe(model).outputs if out.dtype in LOW_PRECISION]
+    if left:
+        warnings.warn(
+            f"float32_outputs left {len(left)} output(s) of model {model.name!r} in {left[0]}: "
+            "an operation outside the layers it changed makes them (raw tensor arithmetic "
+            "in a call, say). Cast them in the model's call: keras.ops.cast(output, "
+            f"'float32'). {docs_page('guides/audit-in-ci')}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _saved_config(model: keras.Model) -> Any:
+    """What `model.save` writes of the model's structure (None if it cannot say)."""
+    try:
+        return keras.saving.serialize_keras_object(model)
+    except Exception:  # a model without a config: nothing to compare
+        return None
+
+
+def _warn_if_not_saved(model: keras.Model, changes: list[PolicyChange]) -> None:
+    """Warns that the model's config does not record the change: a saved and loaded model
+    (a KerasHub task, whose config holds its constructor's arguments only) computes those
+    outputs in float16/bfloat16 again."""
+    names = ", ".join(repr(change.layer) for change in changes)
+    warnings.warn(
+        f"float32_outputs changed {names} of model {model.name!r}, but its config does not "
+        "record layer dtypes, so a saved and reloaded model computes them in the policy's "
+        "dtype again. Call tfmixprec.float32_outputs(model) again after loading, or build the "
+        "model with a float32 head if its class takes one (KerasHub's image classifiers: "
+        f"head_dtype='float32'). {docs_page('guides/audit-in-ci')}",
+        UserWarning,
+        stacklevel=3,
+    )

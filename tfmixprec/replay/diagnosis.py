@@ -1,0 +1,647 @@
+"""Why a step overflowed: replay one batch outside the training step and name the cause.
+
+`explain_overflow(model, batch)` runs the batch again (`tfmixprec.replay`), in training mode as
+the step runs it (`replay.TRAINING`, the mode `calibrate` and `PrecisionRepair` replay in too:
+batch normalization on the batch's statistics, dropout on), with the model's state put back,
+and changes no weight, statistic, optimizer slot or loss scale. It looks, in this order, for:
+
+- `bad-data`: NaN/Inf already in the inputs, labels or sample weights;
+- `forward-overflow`: the first layer (in the order the forward pass runs them) whose output
+  is not finite although its inputs are: its activations exceed the compute dtype's range
+  (65504 for float16). A second replay in float32 says how large they are and whether the
+  layer would be finite in float32 or bfloat16;
+- `loss-overflow`: the predictions are finite but the loss, or the loss times the scale, is not;
+- `backward-overflow`: everything forward is finite but some gradients of the scaled loss are
+  not; the replay halves the scale until they are (k halvings: the dynamic scale finds that
+  level by itself, nothing to fix) and names the first layer whose gradients overflowed;
+- `underflow`: nothing overflows, but a large share of the scaled gradients (measured in
+  float32) is below float16's smallest subnormal, 2^-24, and would flush to zero (a model
+  with a float16 layer only: bfloat16 and float32 keep such values);
+- `none`: the batch replays finite at this scale with little underflow.
+
+Where the step overflows, the float8 layers (`tfmixprec.float8_layers`) whose quantization
+saturated or flushed values in the replay are named too, with the format, the scale each
+tensor was quantized with, its amax and the shares (`OverflowDiagnosis.float8`).
+
+`tfmixprec.fit.overflow_batches` keeps the batches of overflow steps on the device, from inside
+the training step (`MixedPrecisionModel.keep_overflow_batches`, and the callbacks'
+`diagnose=` switch), so they can be replayed right after the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmixprec._common.arrays import float_arrays, nonfinite_count
+from tfmixprec._common.dtypes import DTYPE_MAX, FLOAT8_MAX, FLOAT32_MAX
+from tfmixprec._common.layers import (
+    all_layers,
+    check_built_model,
+    compiled_loss,
+    layer_names,
+    variable_owners,
+)
+from tfmixprec._common.observe import policies_swapped
+from tfmixprec._common.text import jsonable, markdown_table
+from tfmixprec._common.validate import check_float32_scale
+from tfmixprec.precision.float8 import TENSORS, gradient_watched, is_float8, quantization_counts
+from tfmixprec.replay.engine import bad_data, computes_in, replay
+from tfmixprec.scaling.gradient_range import gradient_range_stats
+from tfmixprec.scaling.loss_scale import format_scale
+
+__all__ = [
+    "Float8Quantized",
+    "Float8Replay",
+    "LayerReplay",
+    "OverflowDiagnosis",
+    "explain_overflow",
+]
+
+CAUSES = ("bad-data", "forward-overflow", "loss-overflow", "backward-overflow", "underflow", "none")
+UNDERFLOW_SHARE = 0.01  # at least this share of gradients flushing to zero is worth a word
+_MAX_HALVINGS = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReplay:
+    """One layer in the replay, in the order the forward pass ran it.
+
+    Attributes:
+        layer: String. The layer's name.
+        compute_dtype: String. The dtype it computes in.
+        max_abs: Float. The largest finite |x| of its output (in its compute dtype).
+        nan: Int. NaN values in its output. inf: Int. Inf values in its output.
+        float32_max_abs: Float. The largest |x| of its output in the float32 replay (`inf`
+            when not finite even in float32).
+        gradient_nonfinite: Int. Non-finite values in the gradients of its variables at the
+            replayed scale.
+        gradient_underflow: Float. Share of its scaled gradients (measured in float32) below
+            2^-24.
+    """
+
+    layer: str
+    compute_dtype: str
+    max_abs: float
+    nan: int
+    inf: int
+    float32_max_abs: float
+    gradient_nonfinite: int = 0
+    gradient_underflow: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Quantized:
+    """What quantizing one tensor of a float8 layer did in the replay, as the step does it:
+    `x / scale` clipped at the format's largest value and cast to float8.
+
+    Attributes:
+        format: String. `"float8_e4m3fn"` (inputs, kernel) or `"float8_e5m2"` (the output
+            gradient).
+        scale: Float. The scale it was quantized with: the layer's scale variable as it is.
+        amax: Float. The largest |x| of the tensor in the replay, as its amax history would
+            record it (`inf` or `nan` where the tensor holds one).
+        values: Int. The values quantized.
+        saturated: Int. Of those, the ones past the format's largest value at the scale
+            (clipped there; an Inf among them).
+        flushed: Int. Of those, the ones not zero that were zero once quantized.
+    """
+
+    format: str
+    scale: float
+    amax: float
+    values: int
+    saturated: int
+    flushed: int
+
+    @property
+    def saturated_fraction(self) -> float:
+        """Share of the values that saturated (0 when none were quantized)."""
+        return self.saturated / self.values if self.values else 0.0
+
+    @property
+    def flushed_fraction(self) -> float:
+        """Share of the values that were not zero and were once quantized."""
+        return self.flushed / self.values if self.values else 0.0
+
+    def describe(self) -> str:
+        """What went wrong only: `"12.50% saturated (past 57344 x scale 1), amax 1.2e+05"`."""
+        parts = []
+        if self.saturated:
+            limit = f"{FLOAT8_MAX[self.format]:g} x scale {self.scale:.4g}"
+            parts.append(f"{self.saturated_fraction:.2%} saturated (past {limit})")
+        if self.flushed:
+            parts.append(f"{self.flushed_fraction:.2%} flushed to 0 at scale {self.scale:.4g}")
+        return f"{' and '.join(parts)}, amax {self.amax:.4g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Replay:
+    """A float8 layer whose quantization saturated or flushed values in the replay.
+
+    Attributes:
+        layer: String. The layer's name.
+        policy: String. Its dtype policy (`"float8_from_mixed_float16"`, ...).
+        inputs: `Float8Quantized`. Its inputs (e4m3, at `inputs_scale`).
+        kernel: `Float8Quantized`. Its kernel (e4m3, at `kernel_scale`).
+        outputs_grad: `Float8Quantized`. The gradient of the scaled loss at its output (e5m2,
+            at `outputs_grad_scale`), the one the step quantizes.
+    """
+
+    layer: str
+    policy: str
+    inputs: Float8Quantized
+    kernel: Float8Quantized
+    outputs_grad: Float8Quantized
+
+    def tensors(self) -> dict[str, Float8Quantized]:
+        return {name: getattr(self, name) for name, *_ in TENSORS}
+
+    def __str__(self) -> str:
+        found = [
+            f"{name} ({tensor.format[7:]}) {tensor.describe()}"
+            for name, tensor in self.tensors().items()
+            if tensor.saturated or tensor.flushed
+        ]
+        return f"float8 layer {self.layer!r}: " + "; ".join(found)
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowDiagnosis:
+    """What the replay of one batch found: the cause, the layer, and the numbers behind them.
+
+    Attributes:
+        cause: String. One of `CAUSES` (see the module's docstring).
+        layer: String or None. The first layer where the cause appears.
+        message: String. What happened and what to do, in a sentence or two.
+        loss_scale: Float. The scale replayed.
+        loss: Float. The batch's loss (float32).
+        scaled_loss: Float. `loss * loss_scale`, in float32.
+        halvings: Int or None. For `backward-overflow`: how many halvings of the scale made
+            the gradients finite (None if not even at a scale of 1).
+        finite_scale: Float or None. The scale at which they were finite.
+        underflow_fraction: Float. Share of all scaled gradients (float32) below 2^-24.
+        layers: Tuple of `LayerReplay`, in forward order.
+        float8: Tuple of `Float8Replay`: where the step overflowed, the float8 layers whose
+            quantization saturated or flushed values in the replay, with the scales they had
+            (empty for a model without float8 layers).
+    """
+
+    cause: str
+    layer: str | None
+    message: str
+    loss_scale: float
+    loss: float
+    scaled_loss: float
+    halvings: int | None
+    finite_scale: float | None
+    underflow_fraction: float
+    layers: tuple[LayerReplay, ...]
+    float8: tuple[Float8Replay, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The diagnosis as plain Python values (JSON-ready: `inf`/`nan` as strings)."""
+        return jsonable(dataclasses.asdict(self))
+
+    def to_markdown(self) -> str:
+        """A short verdict and a markdown table of the layers (for TensorBoard and issues)."""
+        head = f"**{self.cause}**" + (f" in `{self.layer}`" if self.layer else "")
+        lines = [
+            f"{head}: {self.message}",
+            "",
+            f"loss scale {format_scale(self.loss_scale)}, loss {self.loss:.6g}, "
+            f"underflow {self.underflow_fraction:.2%}",
+            "",
+        ]
+        header = ("layer", "dtype", "max finite abs", "NaN", "Inf", "max abs (float32)")
+        rows = [
+            (r.layer, r.compute_dtype, f"{r.max_abs:.4g}", r.nan, r.inf, f"{r.float32_max_abs:.4g}")
+            + (r.gradient_nonfinite,)
+            for r in self.layers
+        ]
+        lines += markdown_table((*header, "grad non-finite"), rows)
+        return "\n".join(lines + _float8_table(self.float8))
+
+    def __str__(self) -> str:
+        where = f" in layer {self.layer!r}" if self.layer else ""
+        return "\n".join([f"{self.cause}{where}: {self.message}", *map(str, self.float8)])
+
+
+def _float8_table(records: Sequence[Float8Replay]) -> list[str]:
+    """The float8 layers' quantization in the replay, one row a tensor (none: no lines)."""
+    if not records:
+        return []
+    rows = [
+        (r.layer, name, t.format, f"{t.scale:.4g}", f"{t.amax:.4g}", t.values)
+        + (f"{t.saturated_fraction:.2%}", f"{t.flushed_fraction:.2%}")
+        for r in records
+        for name, t in r.tensors().items()
+    ]
+    header = ("float8 layer", "tensor", "format", "scale", "amax", "values", "saturated")
+    intro = (
+        "float8 quantization in the replay (the scales as they are; the scaled loss's gradient):"
+    )
+    return ["", intro, "", *markdown_table((*header, "flushed to 0"), rows)]
+
+
+def _all_finite(value: Any) -> bool:
+    return nonfinite_count(value) == 0
+
+
+def _output_stats(result: Any) -> tuple[float, int, int]:
+    arrays = float_arrays(result)
+    nan = sum(int(np.isnan(a).sum()) for a in arrays)
+    inf = sum(int(np.isinf(a).sum()) for a in arrays)
+    finite = [np.abs(a[np.isfinite(a)]) for a in arrays]
+    biggest = max((float(f.max()) for f in finite if f.size), default=0.0)
+    return biggest, nan, inf
+
+
+class _Float8Counts:
+    """A replay's float8 layers: per layer and quantized tensor, `quantization_counts` (values,
+    saturated, flushed) summed over its calls, and the largest |x|."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, Any] = {}
+        self.counts: dict[tuple[int, str], list] = {}
+
+    def forward(self, layer: Any, inputs: Any) -> None:
+        self.add(layer, "inputs", inputs)
+        self.add(layer, "kernel", keras.ops.cast(layer.kernel, layer.compute_dtype))
+
+    def output(self, layer: Any, x: Any) -> Any:
+        return gradient_watched(x, lambda upstream: self.add(layer, "outputs_grad", upstream))
+
+    def add(self, layer: Any, name: str, x: Any) -> None:
+        _, scale, _, fmt = next(entry for entry in TENSORS if entry[0] == name)
+        scale = tf.convert_to_tensor(getattr(layer, scale))
+        values, saturated, _, flushed = quantization_counts(x, scale, fmt).numpy().tolist()
+        x = tf.cast(x, tf.float32)
+        amax = float(tf.reduce_max(tf.abs(x))) if values else 0.0  # as its amax history sees it
+        self.layers.setdefault(id(layer), layer)
+        total = self.counts.setdefault((id(layer), name), [fmt, float(scale), 0.0, 0, 0, 0])
+        amax = math.nan if math.isnan(amax) or math.isnan(total[2]) else max(amax, total[2])
+        total[2:] = [amax, total[3] + values, total[4] + saturated, total[5] + flushed]
+
+    def records(self, names: dict[int, str]) -> tuple[Float8Replay, ...]:
+        """The layers whose quantization saturated or flushed a value, in forward order, named
+        by `names` (`replay.layer_names`)."""
+        found = []
+        for key, layer in self.layers.items():
+            tensors = {  # no gradient reached its output: nothing quantized there
+                name: Float8Quantized(
+                    *self.counts.get(
+                        (key, name), [fmt, _value(getattr(layer, scale)), 0.0, 0, 0, 0]
+                    )
+                )
+                for name, scale, _, fmt in TENSORS
+            }
+            if any(t.saturated or t.flushed for t in tensors.values()):
+                found.append(Float8Replay(names[key], layer.dtype_policy.name, **tensors))
+        return tuple(found)
+
+
+def _value(variable: Any) -> float:
+    return float(keras.ops.convert_to_numpy(variable))
+
+
+@dataclasses.dataclass
+class _Pass:
+    """One replay: per layer call, (layer, compute dtype, output stats, input stats); the stats
+    are (largest finite |x|, NaN count, Inf count); the float8 layers' quantization; how the
+    report names each layer (`replay.layer_names`, short)."""
+
+    calls: list[tuple[Any, str, tuple[float, int, int], tuple[float, int, int]]]
+    y_pred: Any
+    loss: float
+    grads: list[Any]
+    float8: _Float8Counts
+    names: dict[int, str]
+
+
+def _replay(model: keras.Model, data: tuple, loss_fn: Callable, scale: float) -> _Pass:
+    """Forward (`replay.replay`, in the step's training mode, the state put back) and backward
+    of the loss times `scale`, watching each layer (and what quantizing does to the tensors of
+    float8 layers)."""
+    calls: list[tuple[Any, str, tuple[float, int, int], tuple[float, int, int]]] = []
+    float8 = _Float8Counts()
+
+    def record(layer: Any, args: tuple, result: Any) -> None:
+        calls.append((layer, layer.compute_dtype, _output_stats(result), _output_stats(args)))
+
+    def seen(layer: Any, args: tuple, result: Any) -> None:
+        float8.forward(layer, args[0])
+
+    done = replay(model, data, loss_fn, scale, record, (seen, float8.output))
+    names = layer_names(model, short=True)
+    return _Pass(calls, done.y_pred, done.loss, list(done.grads), float8, names)
+
+
+def _in_float32(model: keras.Model, run: Callable[[], _Pass]) -> _Pass:
+    """`run()` with every layer of `model` computing in float32; the policies restored after."""
+    with policies_swapped(all_layers(model), "float32"):
+        return run()
+
+
+def _gradient_rows(model: keras.Model, grads: list[Any], grads32: list[Any]) -> dict[int, tuple]:
+    """Per owning layer: (non-finite values at the scale, share of float32 values < 2^-24)."""
+    owners = variable_owners(model)
+    per_layer: dict[int, tuple[list, list]] = {}
+    for variable, grad, grad32 in zip(model.trainable_variables, grads, grads32):
+        layer = owners.get(id(variable))
+        if layer is None or grad is None:
+            continue
+        mine = per_layer.setdefault(id(layer), ([], []))
+        mine[0].append(grad)
+        mine[1].append(grad32)
+    rows = {}
+    for key, (mine, mine32) in per_layer.items():
+        bad = nonfinite_count(mine)
+        rows[key] = (
+            bad,
+            gradient_range_stats([g for g in mine32 if g is not None]).underflow_fraction,
+        )
+    return rows
+
+
+def _float32_max(stats: tuple[float, int, int]) -> float:
+    """A call's largest |x| in the float32 replay (`inf` when not finite there)."""
+    biggest, nan, inf = stats
+    return math.inf if nan or inf else biggest
+
+
+def _layer_rows(model: keras.Model, run: _Pass, run32: _Pass) -> list[LayerReplay]:
+    """One row a layer, over all its calls (a layer called twice: the larger values, the
+    NaN/Inf of both); the two replays call the layers in the same order."""
+    grad_rows = _gradient_rows(model, run.grads, run32.grads)
+    rows: dict[int, LayerReplay] = {}
+    for (layer, dtype, (biggest, nan, inf), _), call32 in zip(run.calls, run32.calls):
+        float32_max = _float32_max(call32[2])
+        row = rows.get(id(layer))
+        if row is None:
+            bad, under = grad_rows.get(id(layer), (0, 0.0))
+            rows[id(layer)] = LayerReplay(
+                run.names[id(layer)], dtype, biggest, nan, inf, float32_max, bad, under
+            )
+        else:
+            rows[id(layer)] = dataclasses.replace(
+                row,
+                max_abs=max(row.max_abs, biggest),
+                nan=row.nan + nan,
+                inf=row.inf + inf,
+                float32_max_abs=max(row.float32_max_abs, float32_max),
+            )
+    return list(rows.values())
+
+
+def _forward_advice(dtype: str, float32_max: float, float8: bool = False) -> str:
+    """What the float32 replay says of a layer whose output overflowed in `dtype`."""
+    limit = DTYPE_MAX.get(dtype, math.inf)
+    fix = 'Run it in float32 (dtype="float32" on the layer), or use mixed_bfloat16'
+    if float8:  # a plain float32 policy would drop its quantization, not its float8 variables
+        fix = (
+            "Run it in float32 and keep its float8 quantization (layer.dtype_policy = "
+            '"float8_from_float32"), or use mixed_bfloat16'
+        )
+    if not math.isfinite(float32_max):
+        return (
+            "it is not finite even in float32: the weights or the model diverge, not the "
+            "precision (lower the learning rate, check the initialization)."
+        )
+    if float32_max > limit:
+        fits = [name for name in ("float32", "bfloat16") if float32_max <= DTYPE_MAX[name]]
+        return (
+            f"its outputs reach {float32_max:.4g} in float32, past {dtype}'s {limit:.6g}; it "
+            f"would be finite in {' and '.join(fits)}. {fix}."
+        )
+    return (
+        f"a value inside it passes {dtype}'s {limit:.6g} (attention logits or a long sum, "
+        f"say), though its output is finite in float32 (max |x| {float32_max:.4g}). {fix} "
+        "(float32's range)."
+    )
+
+
+def _input_advice(dtype: str, input_max: float) -> str:
+    """Why a layer's inputs were not finite although no layer before it made a NaN/Inf."""
+    limit = DTYPE_MAX.get(dtype, math.inf)
+    if input_max > limit:
+        return (
+            f"its inputs reach {input_max:.4g} in float32, past {dtype}'s {limit:.6g}, so they "
+            f"are not finite by the time they reach it in {dtype} (the model's inputs cast to "
+            f"{dtype}, or an operation before it that is not a layer). Normalize the inputs, "
+            "or compute that part in float32."
+        )
+    return (
+        f"its inputs are already not finite in {dtype} though no layer before it made a "
+        "NaN/Inf: an operation between layers (keras.ops on a tensor, say) overflowed "
+        f"(the inputs reach {input_max:.4g} in float32). Run that computation in float32."
+    )
+
+
+def _forward_source(run: _Pass, run32: _Pass) -> OverflowDiagnosis | None:
+    """The first layer whose output is not finite although its inputs are; else the first
+    layer whose output is not finite (its inputs overflowed before it, outside any layer)."""
+    # Each call's own float32 replay decides (a layer may be called twice).
+    bad = [
+        (call, call32) for call, call32 in zip(run.calls, run32.calls) if call[2][1] or call[2][2]
+    ]
+    for (layer, dtype, (_, nan, inf), (_, in_nan, in_inf)), call32 in bad:
+        if not (in_nan or in_inf):
+            advice = _forward_advice(dtype, _float32_max(call32[2]), is_float8(layer))
+            return _verdict(
+                "forward-overflow",
+                run.names[id(layer)],
+                f"{nan + inf} NaN/Inf in its output; {advice}",
+            )
+    if bad:
+        (layer, _, (_, nan, inf), _), call32 = bad[0]
+        input_max = call32[3][0]
+        low = next((c[1] for c in run.calls if c[1] != "float32"), "float32")
+        advice = _input_advice(low, input_max)
+        return _verdict(
+            "forward-overflow", run.names[id(layer)], f"{nan + inf} NaN/Inf in its output; {advice}"
+        )
+    if not _all_finite(run.y_pred):
+        return _verdict(
+            "forward-overflow",
+            None,
+            "the predictions are not finite though every layer's output is: an operation "
+            "after the layers (keras.ops on the outputs, say) overflowed. Run it in float32.",
+        )
+    return None
+
+
+def _halvings(replay: Callable[[float], _Pass], scale: float) -> tuple[int | None, float | None]:
+    """How many halvings of `scale` make every gradient finite (None: not even at 1)."""
+    for k in range(1, _MAX_HALVINGS + 1):
+        trial = scale / 2.0**k
+        if trial < 1.0:
+            break
+        if _all_finite(replay(trial).grads):
+            return k, trial
+    return None, None
+
+
+def _verdict(cause: str, layer: str | None, message: str) -> OverflowDiagnosis:
+    """A diagnosis with only the verdict filled in (`explain_overflow` adds the numbers)."""
+    return OverflowDiagnosis(cause, layer, message, 0.0, math.nan, math.nan, None, None, 0.0, ())
+
+
+def _classify(
+    run: _Pass, run32: _Pass, rows: list[LayerReplay], replay: Callable, scale: float
+) -> OverflowDiagnosis:
+    found = _forward_source(run, run32)
+    if found is not None:
+        return found
+    scaled = run.loss * scale
+    if not math.isfinite(run.loss) or not math.isfinite(scaled) or scaled > FLOAT32_MAX:
+        what = (
+            "the loss" if not math.isfinite(run.loss) else f"the loss times {format_scale(scale)}"
+        )
+        return _verdict(
+            "loss-overflow",
+            None,
+            f"the predictions are finite but {what} is not ({run.loss:.6g}); compute the loss "
+            "in float32 from float32 outputs (a float32 output layer), or check the labels.",
+        )
+    if not _all_finite(run.grads):
+        layer = next((row.layer for row in rows if row.gradient_nonfinite), None)
+        k, finite_scale = _halvings(replay, scale)
+        if k is None:
+            message = (
+                "its gradients are not finite even unscaled: run it in float32 "
+                '(dtype="float32" on the layer).'
+            )
+        else:
+            message = (
+                f"the gradients are finite at scale {format_scale(finite_scale)} ({k} halving"
+                f"{'s' if k > 1 else ''} of {format_scale(scale)}): the dynamic loss scale "
+                "finds this level by itself, nothing to fix."
+            )
+        verdict = _verdict("backward-overflow", layer, message)
+        return dataclasses.replace(verdict, halvings=k, finite_scale=finite_scale)
+    return _verdict("none", None, f"the batch is finite at scale {format_scale(scale)}.")
+
+
+def _check_arguments(data: tuple, scale: Any, loss_fn: Any) -> None:
+    if data[1] is None:
+        raise ValueError(
+            "batch must hold labels: explain_overflow replays the loss. Received: batch (x, None)"
+        )
+    if scale is not None:
+        check_float32_scale("scale", scale)  # a finite, positive float32 number
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            "loss_fn must be a callable (y_true, y_pred) or a keras.losses.Loss, or None for "
+            f"the compiled loss. Received: loss_fn={loss_fn!r}"
+        )
+
+
+def _scale_of(model: keras.Model, scale: float | None) -> float:
+    if scale is not None:
+        return float(scale)
+    optimizer = getattr(model, "optimizer", None)
+    reader = getattr(optimizer, "overflow_scale", None)
+    if reader is not None:
+        return reader()
+    value = getattr(optimizer, "loss_scale", None) or getattr(optimizer, "dynamic_scale", None)
+    return 1.0 if value is None else float(np.asarray(value))
+
+
+def explain_overflow(
+    model: keras.Model,
+    batch: Sequence[Any],
+    scale: float | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+) -> OverflowDiagnosis:
+    """Replays one batch and says why its step overflowed (or would), naming the layer.
+
+    Runs the batch forward and backward once in the model's dtypes and once in float32,
+    outside the training step, in training mode as the step runs it (batch normalization on
+    the batch's statistics, dropout on: the mode `calibrate` and `PrecisionRepair` replay in),
+    with the model's state put back: changes no weight, statistic, seed, optimizer slot or
+    loss scale.
+
+    Args:
+        model: A built `keras.Model` (compiled, unless `loss_fn` is given).
+        batch: Tuple `(x, y)` or `(x, y, sample_weight)`: the batch that overflowed.
+        scale: Float or None. The loss scale to replay at; by default the scale of the last
+            step if it overflowed (before the backoff), else the current scale (1 without a
+            loss-scaling optimizer).
+        loss_fn: A `keras.losses.Loss`, or a callable `(y_true, y_pred)` returning per-sample
+            losses (weighted and averaged as Keras does), or None for the compiled loss.
+
+    Returns:
+        An `OverflowDiagnosis`: `cause`, `layer`, `message`, the numbers behind them, a
+        per-layer table and, where the step overflows, the float8 layers whose quantization
+        saturated or flushed values (`print` it, or `to_dict()` / `to_markdown()`).
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model`.
+        TypeError: If `loss_fn` is not callable.
+        ValueError: If the model is not built, has no single compiled loss and no `loss_fn`
+            is given, `batch` is not `(x, y)` / `(x, y, sample_weight)` with labels, or
+            `scale` is not a number in float32's normal range.
+
+    Example:
+
+    >>> diagnosis = tfmixprec.explain_overflow(model, (x[:32], y[:32]))
+    >>> diagnosis.cause
+    'none'
+    """
+    check_built_model(model, "explain_overflow")
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
+        raise ValueError(
+            "batch must be a tuple (x, y) or (x, y, sample_weight). "
+            f"Received: batch of type {type(batch).__name__}"
+        )
+    data = (batch[0], batch[1], batch[2] if len(batch) == 3 else None)
+    _check_arguments(data, scale, loss_fn)
+    loss_fn = loss_fn if loss_fn is not None else compiled_loss(model, "explain_overflow")
+    scale = _scale_of(model, scale)
+    bad = bad_data(data)
+    if bad is not None:
+        return dataclasses.replace(_verdict("bad-data", None, bad), loss_scale=scale)
+    replay = lambda s: _replay(model, data, loss_fn, s)  # noqa: E731
+    run = replay(scale)
+    run32 = _in_float32(model, lambda: replay(scale))
+    rows = _layer_rows(model, run, run32)
+    verdict = _classify(run, run32, rows, replay, scale)
+    underflow = gradient_range_stats([g for g in run32.grads if g is not None]).underflow_fraction
+    if verdict.cause == "none" and underflow >= UNDERFLOW_SHARE and computes_in(model, "float16"):
+        verdict = _verdict(
+            "underflow",
+            None,
+            f"{underflow:.1%} of the gradients times {format_scale(scale)} are below 2^-24 and "
+            "flush to zero in float16; a larger loss scale (or dynamic scaling) keeps them.",
+        )
+    return dataclasses.replace(
+        _with_float8(verdict, run.float8.records(run.names)),
+        loss_scale=scale,
+        loss=run.loss,
+        scaled_loss=run.loss * scale,
+        underflow_fraction=underflow,
+        layers=tuple(rows),
+    )
+
+
+_OVERFLOWS = ("forward-overflow", "loss-overflow", "backward-overflow")
+
+
+def _with_float8(verdict: OverflowDiagnosis, records: tuple) -> OverflowDiagnosis:
+    """Where the step overflows: the float8 layers whose quantization saturated or flushed
+    values, named in the message with the scales they had."""
+    if verdict.cause not in _OVERFLOWS or not records:
+        return verdict
+    named = ", ".join(repr(record.layer) for record in records)
+    said = (
+        f" In float8, {named} saturated or flushed values at the scales they had (below): "
+        "delayed scaling sets those from the amax of earlier steps."
+    )
+    return dataclasses.replace(verdict, message=verdict.message + said, float8=records)

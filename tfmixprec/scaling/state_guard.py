@@ -1,0 +1,180 @@
+"""A skipped step changes no variable: the model's non-trainable state put back on a skip.
+
+The optimizer leaves weights, slots and `iterations` alone on an overflow step, but the forward
+pass has already run by then, and it writes state of its own: `BatchNormalization`'s moving
+mean and variance (with NaN, on an overflow of float16 activations), a dropout layer's seed,
+the running totals of the loss and metrics of `compile` (an epoch's mean loss `nan`).
+`guard_state(model, optimizer)` reads that state before the step and, after it, assigns it
+back where the optimizer skipped the step, in the graph (no host read): on a skipped step every
+variable of the model is as it was, bit for bit; on an applied step the assignments write the
+values the step made. `MixedPrecisionModel`'s `train_step`, `make_train_step` and the train
+step of a plain model in `fit` with a tfmixprec callback use it; a custom loop wraps its step
+in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfmixprec._keras.fit import STEP_COMPILES_ITSELF, loss_tracker_count, update_each_copy
+from tfmixprec.scaling.loss_scale import read_now
+
+__all__ = ["guard_state"]
+
+
+def _restore(copy: tf.Variable, skipped: tf.Tensor, saved: tf.Tensor) -> Any:
+    return copy.assign(tf.where(skipped, saved, read_now(copy)))
+
+
+def guarded_variables(model: keras.Model) -> list[Any]:
+    """What a skipped step puts back: the model's non-trainable variables (batch-norm
+    statistics, seeds) and its metrics' (the loss and metrics of `compile`), so that an
+    epoch's mean loss is the mean over the applied steps, not `nan` after one skipped batch."""
+    found, seen = [], set()
+    for variable in [*model.non_trainable_variables, *model.metrics_variables]:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            found.append(variable)
+    return found
+
+
+@contextlib.contextmanager
+def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
+    """Puts the model's non-trainable variables and its metrics' back as they were before the
+    block if the optimizer skipped the step the block ran (`guarded_variables`).
+
+    In a `tf.function` it puts back, with selects (no branch, so no host wait on a GPU), only
+    those the block may write: a frozen layer's weights, which the step only reads, cost
+    nothing. Eagerly it reads the skip flag and assigns when it is set.
+
+    Use it inside the step, around the forward pass and `optimizer.apply` (eager or in a
+    `tf.function`, under a strategy too: each replica puts back its own copies). With gradient
+    accumulation a skipped window's last micro-batch is put back; the earlier micro-batches'
+    state stays (a window is not one step of the forward pass). Variables created inside the
+    block (an unbuilt model's first call, eagerly) are not known to it: build the model first.
+
+    Args:
+        model: `keras.Model`. Its `non_trainable_variables` and `metrics_variables` are
+            guarded.
+        optimizer: `tfmixprec.LossScaleOptimizer`. It says whether the step was skipped.
+
+    Raises:
+        TypeError: If `optimizer` is not a tfmixprec `LossScaleOptimizer`.
+
+    Example:
+
+    >>> opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD())
+    >>> with tfmixprec.guard_state(model, opt):
+    ...     with tf.GradientTape() as tape:
+    ...         scaled = opt.scale_loss(loss_fn(y, model(x, training=True)))
+    ...     opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+    """
+    if not callable(getattr(optimizer, "skipped", None)):
+        raise TypeError(
+            "guard_state needs the tfmixprec.LossScaleOptimizer that applies the step (it says "
+            f"whether the step was skipped). Received: optimizer of type "
+            f"{type(optimizer).__name__}"
+        )
+    variables = guarded_variables(model)
+    saved = [read_now(variable) for variable in variables]
+    first = (
+        None if tf.executing_eagerly() else len(tf.compat.v1.get_default_graph().get_operations())
+    )
+    yield
+    skipped = optimizer.skipped()
+    if first is None:  # eagerly: the flag is on the host already
+        if bool(skipped):
+            for variable, value in zip(variables, saved):
+                variable.assign(value)
+        return
+    # Only what the block may write (a frozen layer's weights are read, never written), with
+    # selects, not a `cond`: on a GPU a `cond` outside XLA waits for its flag on the host.
+    written = written_since(first, variables)
+    pairs = [(v, s) for v, s in zip(variables, saved) if id(v) in written]
+    if tf.distribute.has_strategy():  # each replica its own copies, in one merge_call
+        update_each_copy([(v, _restore, (skipped, s)) for v, s in pairs])
+        return
+    for variable, value in pairs:
+        _restore(variable, skipped, value)
+
+
+def written_since(first: int, variables: list[Any]) -> set[int]:
+    """The ids of those of `variables` that an op added to the graph being traced since its
+    op `first` may write: one that takes the variable's handle for anything but a read (a
+    write, or a function, branch or loop that may write inside)."""
+    graph = tf.compat.v1.get_default_graph()
+    inside = {id(outer): inner for outer, inner in graph.captures}
+    owner = {}
+    for variable in variables:
+        for copy in _copies(variable):
+            handle = inside.get(id(copy.handle), copy.handle)
+            owner[handle.ref()] = variable
+    written = set()
+    for op in graph.get_operations()[first:]:
+        if op.type not in _READS:
+            written.update(id(owner[t.ref()]) for t in op.inputs if t.ref() in owner)
+    return written
+
+
+_READS = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp"})
+
+
+def _copies(variable: Any) -> tuple:
+    """The `tf.Variable`s behind a Keras or TF variable (one per replica when distributed)."""
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    return tuple(getattr(value, "values", None) or (value,))
+
+
+def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`step` (a `train_step`) inside `guard_state(model, model.optimizer)`: for a plain model
+    in `fit` with a tfmixprec callback (the optimizer is read while tracing)."""
+
+    def guarded(data: Any) -> Any:
+        if not callable(getattr(model.optimizer, "skipped", None)):
+            return step(data)  # compiled again with another optimizer: no step is skipped
+        with guard_state(model, model.optimizer):
+            logs = step(data)
+        return metrics_after_guard(model, logs)
+
+    guarded.tfmixprec_guarded = True  # wrapped once
+    guarded.__wrapped__ = step  # the step it guards (the user's own, if they set one)
+    # A batch keeper's step inside compiles itself with XLA: so is it built (`_keras.fit`).
+    setattr(guarded, STEP_COMPILES_ITSELF, getattr(step, STEP_COMPILES_ITSELF, False))
+    return guarded
+
+
+def metrics_after_guard(model: keras.Model, logs: Any) -> Any:
+    """A step's `logs` with the model's metric results read again after `guard_state`: the
+    running means over the applied steps (a skipped step's values put back; read inside the
+    block they still held its nan), and nan while no step of the epoch was applied (the mean
+    of nothing, where Keras's `Mean` says 0). Keys that are not metric results stay."""
+    if not isinstance(logs, dict):
+        return logs
+    results = model.get_metrics_result()
+    count = loss_tracker_count(model)
+    fresh = {}
+    for key, value in logs.items():
+        if key in results:
+            value = tf.convert_to_tensor(results[key])
+            if count is not None and value.dtype.is_floating:
+                nothing = tf.equal(read_now(count), 0)
+                value = tf.where(nothing, tf.constant(float("nan"), value.dtype), value)
+        fresh[key] = value
+    return fresh
+
+
+def mark_unapplied_epoch(model: keras.Model, logs: dict | None) -> None:
+    """For the end of an epoch in which no step was applied (every one skipped and put back):
+    the epoch's training metric results in `logs` become nan. Keras reads them again from its
+    metrics, whose means of nothing say 0, which would make a diverged epoch look perfect;
+    the `val_` results of a validation after it stay."""
+    if logs is None:
+        return
+    for key in model.get_metrics_result():
+        if key in logs:
+            logs[key] = float("nan")

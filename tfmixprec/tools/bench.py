@@ -1,0 +1,656 @@
+"""Training step time and throughput per policy, measured side by side in one process.
+
+Used by `tfmixprec bench` and `benchmarks/speedup.py`. Runs alternate between the variants
+(A, B, C, A, B, C, ...) so that drift in the machine hits all alike; the figure is the median.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmixprec._common.layers import iter_layers
+from tfmixprec.fit.training import MixedPrecisionModel, route_slow_cpu_kernels
+from tfmixprec.precision import cpu_float16
+from tfmixprec.precision.cpu_route import route_of
+from tfmixprec.precision.hardware import detect_hardware
+from tfmixprec.precision.policy import (
+    check_policy_name,
+    choose_policy,
+    float32_outputs,
+    policy_scope,
+)
+from tfmixprec.tools import zoo
+
+# Internal module (used by `tfmixprec bench` and benchmarks/): the package exports nothing from it.
+__all__: list[str] = []
+
+MODELS = ("mlp", "cnn", "transformer")
+
+
+@dataclasses.dataclass
+class BenchResult:
+    """One variant's timing."""
+
+    model: str
+    policy: str  # as asked ("auto" stays "auto")
+    resolved_policy: str
+    stack: str  # "keras" (plain model.fit) or "tfmixprec" (MixedPrecisionModel)
+    batch: int
+    step_ms: float
+    samples_per_s: float
+    runs_ms: list[float]
+
+
+def _data(model: str, batch: int, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if model == "mlp":
+        x = rng.normal(size=(batch, size)).astype("float32")
+    elif model == "cnn":
+        x = rng.normal(size=(batch, 32, 32, 3)).astype("float32")
+    else:
+        x = rng.normal(size=(batch, 64, size)).astype("float32")
+    y = rng.integers(0, 10, size=(batch,)).astype("int32")
+    return x, y
+
+
+def build_model(model: str, size: int, cls: type = keras.Model) -> keras.Model:
+    """A benchmark model whose matmuls dominate its step time.
+
+    Args:
+        model: String. `"mlp"` (4 Dense layers of width `size`), `"cnn"` (3 conv blocks on
+            32x32x3 with `size // 8` filters) or `"transformer"` (one encoder block, sequence
+            64, model width `size`, 4 heads, feed-forward 4x).
+        size: Int. The width.
+        cls: `keras.Model` or `MixedPrecisionModel`.
+
+    Returns:
+        An uncompiled functional model with a float32 softmax output.
+    """
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {list(MODELS)}. Received: model={model!r}")
+    layers = keras.layers
+    if model == "mlp":
+        inputs = keras.Input((size,))
+        h = inputs
+        for _ in range(4):
+            h = layers.Dense(size, activation="relu")(h)
+    elif model == "cnn":
+        inputs = keras.Input((32, 32, 3))
+        h = inputs
+        filters = max(size // 8, 8)
+        for _ in range(3):
+            h = layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+            h = layers.Conv2D(filters, 3, padding="same", activation="relu")(h)
+            h = layers.MaxPooling2D()(h)
+            filters *= 2
+        h = layers.GlobalAveragePooling2D()(h)
+    else:
+        inputs = keras.Input((64, size))
+        attended = layers.MultiHeadAttention(4, key_dim=size // 4)(inputs, inputs)
+        h = layers.LayerNormalization()(inputs + attended)
+        ff = layers.Dense(4 * size, activation="relu")(h)
+        h = layers.LayerNormalization()(h + layers.Dense(size)(ff))
+        h = layers.GlobalAveragePooling1D()(h)
+    outputs = layers.Dense(10, activation="softmax")(h)
+    built = cls(inputs, outputs)
+    float32_outputs(built)
+    return built
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Times the steps of one `fit` call from the end of its first batch to the end of its
+    last, so tracing, `fit`'s set-up and its tear-down are not counted."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        if steps < 2:
+            raise ValueError(f"steps must be >= 2 to time a step. Received: steps={steps!r}")
+        self.steps = steps
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def window_open(self) -> None:
+        """Hook: called when the timed window opens (end of batch 0)."""
+
+    def window_close(self) -> None:
+        """Hook: called when the timed window closes (end of the last batch)."""
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if batch == 0:
+            self.window_open()
+            self._start = time.perf_counter()
+        elif batch == self.steps - 1:
+            self.seconds = time.perf_counter() - self._start
+            self.window_close()
+
+    @property
+    def per_step(self) -> float:
+        """Seconds per step inside the window."""
+        return self.seconds / (self.steps - 1)
+
+
+class StepLosses(keras.callbacks.Callback):
+    """Keeps every step's loss in `losses`, for comparing policies step by step.
+
+    Keras logs the epoch's running mean, weighted by batch size: with batches of one size,
+    a step's loss is `(batch + 1) * mean - batch * previous mean`. So it needs equal batches
+    (the data a whole number of batches) and one step per callback call
+    (`steps_per_execution=1`, checked: it raises otherwise), in a one-epoch `fit`.
+    """
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.losses: list[float] = []
+        self._previous = 0.0
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if batch != len(self.losses):
+            raise ValueError(
+                "StepLosses needs one callback call per step (steps_per_execution=1) and a "
+                f"one-epoch fit. Received: batch {batch} after {len(self.losses)} steps"
+            )
+        mean = float((logs or {})["loss"])
+        self.losses.append((batch + 1) * mean - batch * self._previous)
+        self._previous = mean
+
+
+def time_fit(
+    model: keras.Model,
+    dataset: tf.data.Dataset,
+    steps: int,
+    callbacks: Sequence[Any] = (),
+    timer: StepTimer | None = None,
+) -> StepTimer:
+    """Runs `fit` for `steps` steps; returns the timer (its `per_step` is the figure)."""
+    timer = timer or StepTimer(steps)
+    model.fit(
+        dataset,
+        epochs=1,
+        steps_per_epoch=steps,
+        verbose=0,
+        shuffle=False,
+        callbacks=list(callbacks) + [timer],  # last: runs after the others for each batch
+    )
+    return timer
+
+
+def _variant(
+    model: str,
+    policy: str,
+    stack: str,
+    size: int,
+    hardware: Any,
+    steps_batch: tuple[int, int],
+    float16_steps_batch: tuple[int | None, int | None],
+) -> dict[str, Any]:
+    """One compiled model to time, with the steps and batch it runs at."""
+    resolved = choose_policy(hardware).name if policy == "auto" else policy
+    with policy_scope(resolved):
+        keras.utils.set_random_seed(0)
+        cls = MixedPrecisionModel if stack == "tfmixprec" else keras.Model
+        net = build_model(model, size, cls)
+        net.compile(optimizer=keras.optimizers.Adam(1e-4), loss="sparse_categorical_crossentropy")
+    n, b = steps_batch
+    # float16 on a CPU is slow only in a few kernels, which tfmixprec routes around
+    # (`cpu_float16`); plain Keras keeps them, so its float16 runs are cut short.
+    routed = stack == "tfmixprec" and cpu_float16.applies(resolved, hardware)
+    slow_float16 = not hardware.gpus and not hardware.tpus
+    if resolved == "mixed_float16" and slow_float16 and not routed:
+        n = float16_steps_batch[0] or n
+        b = float16_steps_batch[1] or b
+    return dict(policy=policy, resolved=resolved, stack=stack, net=net, steps=n, batch=b)
+
+
+def _with_data(variant: dict[str, Any], dataset: tf.data.Dataset) -> dict[str, Any]:
+    return {**variant, "data": dataset}
+
+
+def run_bench(
+    model: str = "mlp",
+    policies: Sequence[str] = ("float32", "mixed_bfloat16", "auto"),
+    stacks: Sequence[str] = ("tfmixprec",),
+    size: int = 1024,
+    batch: int = 256,
+    steps: int = 20,
+    repeats: int = 3,
+    float16_steps: int | None = None,
+    float16_batch: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchResult]:
+    """Times `fit` steps for each (policy, stack), alternating runs; returns medians.
+
+    Args:
+        model: String. One of `MODELS`.
+        policies: List of policy names (`"auto"` allowed).
+        stacks: List of `"keras"` (plain `keras.Model` + `compile`) and/or `"tfmixprec"`
+            (`MixedPrecisionModel`, whose optimizer is a tfmixprec `LossScaleOptimizer`).
+        size: Int. Model width (see `build_model`).
+        batch: Int. Batch size.
+        steps: Int. Steps per timed run.
+        repeats: Int. Timed runs per variant (the median is reported).
+        float16_steps: Int. Steps per run for plain-Keras float16 variants on a machine
+            without a GPU (some of TensorFlow's float16 CPU kernels are many times slower
+            than float32, benchmarks/RESULTS.md 2b; tfmixprec's stack routes around them and
+            runs at full size); defaults to `steps`.
+        float16_batch: Int. Batch size for those variants (their samples/s is per sample, but
+            a smaller batch is less efficient, so it flatters float16 no more than float32);
+            defaults to `batch`.
+        progress: Callable taking one line, or None. Told each variant's warm-up step time,
+            then an estimate of the time left after each timed run (the command prints it).
+
+    Returns:
+        List of `BenchResult`, in the order of `policies` x `stacks`.
+    """
+    hardware = detect_hardware()
+    datasets: dict[int, tf.data.Dataset] = {}
+
+    def dataset_for(n: int) -> tf.data.Dataset:
+        if n not in datasets:
+            x, y = _data(model, n, size)
+            datasets[n] = tf.data.Dataset.from_tensors((x, y)).repeat().prefetch(2)
+        return datasets[n]
+
+    float16_steps_batch = (float16_steps, float16_batch)
+    variants = [
+        _variant(model, policy, stack, size, hardware, (steps, batch), float16_steps_batch)
+        for policy in policies
+        for stack in stacks
+    ]
+    variants = [_with_data(v, dataset_for(v["batch"])) for v in variants]
+    say = progress or (lambda line: None)
+    runs = _timed_runs(variants, repeats, say)
+    return [_result(model, v, runs[i]) for i, v in enumerate(variants)]
+
+
+def _timed_runs(
+    variants: list[dict[str, Any]], repeats: int, say: Callable[[str], None]
+) -> dict[int, list[float]]:
+    """Each variant warmed up, then timed `repeats` times in alternating order: seconds per
+    step, per variant; `say` hears each warm-up and the time left after each round."""
+    warm = []
+    for i, variant in enumerate(variants):
+        warm_steps = max(2, variant["steps"] // 4)
+        timer = time_fit(variant["net"], variant["data"], warm_steps)
+        warm.append(timer.per_step)
+        say(
+            f"warmed up {i + 1}/{len(variants)}: {_label(variant)} "
+            f"{1000 * timer.per_step:.1f} ms/step"
+        )
+    left = sum(repeats * v["steps"] * warm[i] for i, v in enumerate(variants))
+    say(f"timing {repeats} runs of each: about {_duration(left)}")
+    runs: dict[int, list[float]] = {i: [] for i in range(len(variants))}
+    for repeat in range(repeats):
+        order = range(len(variants)) if repeat % 2 == 0 else reversed(range(len(variants)))
+        for i in order:
+            v = variants[i]
+            runs[i].append(time_fit(v["net"], v["data"], v["steps"]).per_step)
+            left -= v["steps"] * warm[i]
+        say(f"run {repeat + 1}/{repeats} of each done, about {_duration(max(left, 0.0))} left")
+    return runs
+
+
+def _label(variant: dict[str, Any]) -> str:
+    policy = variant["policy"]
+    if variant["resolved"] != policy:
+        policy = f"{policy} ({variant['resolved']})"
+    return f"{policy}, {variant['stack']}"
+
+
+def _duration(seconds: float) -> str:
+    """`12 s` or `3.5 min`: an estimate for people."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _result(model: str, variant: dict[str, Any], runs: list[float]) -> BenchResult:
+    step_s = statistics.median(runs)
+    return BenchResult(
+        model=model,
+        policy=variant["policy"],
+        resolved_policy=variant["resolved"],
+        stack=variant["stack"],
+        batch=variant["batch"],
+        step_ms=1000 * step_s,
+        samples_per_s=variant["batch"] / step_s,
+        runs_ms=[1000 * r for r in runs],
+    )
+
+
+def format_table(results: Sequence[BenchResult]) -> str:
+    """A side-by-side table with the throughput ratio to float32 of the same stack (or of the
+    one float32 row a model has)."""
+    baseline = {r.model: r.samples_per_s for r in results if r.resolved_policy == "float32"}
+    baseline.update(
+        {(r.model, r.stack): r.samples_per_s for r in results if r.resolved_policy == "float32"}
+    )
+    header = (
+        f"{'model':12} {'policy':26} {'stack':10} {'batch':>6} {'ms/step':>10} "
+        f"{'samples/s':>10} {'vs float32':>10}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        name = r.policy if r.policy == r.resolved_policy else f"{r.policy} ({r.resolved_policy})"
+        base = baseline.get((r.model, r.stack), baseline.get(r.model))
+        ratio = f"{r.samples_per_s / base:.2f}x" if base else "-"
+        lines.append(
+            f"{r.model:12} {name:26} {r.stack:10} {r.batch:6d} {r.step_ms:10.2f} "
+            f"{r.samples_per_s:10.1f} {ratio:>10}"
+        )
+    return "\n".join(lines)
+
+
+def describe_machine() -> dict[str, Any]:
+    """The facts a benchmark result needs next to it."""
+    hw = detect_hardware()
+    return {
+        "cpu": hw.cpu_name,
+        "cores": os.cpu_count(),
+        "gpus": [g.describe() for g in hw.gpus],
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+    }
+
+
+# ------------------------------------------------------------------ the user's own model
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """The policy `recommend` picks from measured results.
+
+    Attributes:
+        policy: String. The policy to train with.
+        stack: String. `"keras"` or `"tfmixprec"` (its CPU routes), as measured.
+        speedup: Float. Its throughput over float32's.
+        text: String. The printed line.
+    """
+
+    policy: str
+    stack: str
+    speedup: float
+    text: str
+
+
+def recommend(results: Sequence[BenchResult], margin: float = 1.05) -> Recommendation:
+    """The fastest measured policy, or float32 when no other ran `margin` times faster.
+
+    Args:
+        results: `BenchResult`s of one model, a float32 one among them.
+        margin: Float. How much faster than float32 a low precision must run to be
+            recommended over it (its rounding is not free).
+
+    Raises:
+        ValueError: If no result is float32, or none is under another policy.
+    """
+    base = [r for r in results if r.resolved_policy == "float32"]
+    if not base:
+        raise ValueError("recommend needs a float32 result to compare with; bench float32 too.")
+    others = [r for r in results if r.resolved_policy != "float32"]
+    if not others:
+        raise ValueError("recommend needs a result under another policy than float32 too.")
+    best = max(others, key=lambda r: r.samples_per_s)
+    speedup = best.samples_per_s / base[0].samples_per_s
+    auto = choose_policy(detect_hardware()).name
+    if speedup < margin:
+        ran = f" (best: {best.resolved_policy}, {best.stack}, {speedup:.3f}x)"  # 1.045x < 1.05
+        text = f"recommended: float32: no other policy ran {margin:.2f}x float32 or faster{ran}"
+        if auto != "float32":
+            text += f"; set_policy('auto') picks {auto} here, but for this model use float32"
+        return Recommendation("float32", base[0].stack, 1.0, text + ".")
+    how = " through tfmixprec" if best.stack == "tfmixprec" else ""
+    text = f"recommended: {best.resolved_policy}{how}, {speedup:.2f}x float32"
+    if auto != best.resolved_policy:
+        text += f"; set_policy('auto') picks {auto} here"
+    return Recommendation(best.resolved_policy, best.stack, speedup, text + ".")
+
+
+# Benched for a model of the user's when no policies are given.
+MODEL_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+_SPEC_HELP = (
+    "Pass a built-in model (mlp, cnn, transformer), a zoo model (gpt2, llama, gemma, mistral, "
+    "bert, vit, resnet, mobilenet), or a function that builds and compiles yours: "
+    "MODULE:FUNCTION or FILE.py:FUNCTION"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A model to bench, built afresh under each policy.
+
+    Attributes:
+        name: String. The model's name in the table.
+        build: Callable `build() -> (model, dataset, batch)`: a compiled model, built under
+            the current global policy, and a repeated `tf.data.Dataset` of its batches.
+    """
+
+    name: str
+    build: Callable[[], tuple[keras.Model, tf.data.Dataset, int]]
+
+
+def load_function(spec: str) -> Callable[[], Any]:
+    """The function `MODULE:FUNCTION` or `FILE.py:FUNCTION` names (a file is run as a module).
+
+    Raises:
+        ValueError: If `spec` has another form, or names no importable function.
+    """
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise ValueError(f"Unknown model {spec!r}. {_SPEC_HELP}.")
+    if where.endswith(".py") and not Path(where).is_file():
+        raise ValueError(f"No file {where!r} (from --model {spec!r}). {_SPEC_HELP}.")
+    with _user_code(spec, f"importing {where!r}"):
+        module = _import(where)
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"{where!r} has no function {name!r} (from --model {spec!r}).")
+    return function
+
+
+def _import(where: str) -> Any:
+    """A file run as a module, or a module imported as `python -m` would: from the current
+    folder first (a console script does not put it on the path)."""
+    if where.endswith(".py"):
+        path = Path(where)
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(where)
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+
+
+@contextlib.contextmanager
+def _user_code(spec: str, doing: str) -> Iterator[None]:
+    """The user's code failing, as one error that names it (its traceback: run it in Python)."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        raise ValueError(f"Cannot import {error.name!r} (from --model {spec!r}): {error}") from None
+    except Exception as error:  # noqa: BLE001 (the user's code may raise anything)
+        raise ValueError(
+            f"--model {spec!r}: {doing} raised {type(error).__name__}: {error}. Fix it there "
+            "(run it in Python for the traceback)."
+        ) from None
+
+
+def synthetic_data(model: keras.Model, batch: int, seed: int = 0) -> tuple[Any, Any]:
+    """One batch for `model`: floats from N(0, 1) and integer inputs of ones (a valid token
+    and a full mask), in its inputs' structure; targets of zeros shaped like its outputs.
+
+    Raises:
+        ValueError: If the model has no symbolic inputs (a subclassed model) or one with an
+            unknown dimension.
+    """
+    rng = np.random.default_rng(seed)
+
+    def value(spec: Any) -> np.ndarray:
+        shape = (batch, *spec.shape[1:])
+        if None in shape:
+            raise ValueError(
+                f"The model's input {spec.name!r} has shape {tuple(spec.shape)}: bench cannot "
+                "make data for it. Return (model, x, y) from your function."
+            )
+        if "int" in str(spec.dtype) or "bool" in str(spec.dtype):
+            return np.ones(shape, str(spec.dtype))
+        return rng.normal(size=shape).astype(str(spec.dtype))
+
+    x = keras.tree.map_structure(value, _symbolic_inputs(model))
+    outputs = model(x, training=False)
+    return x, keras.tree.map_structure(lambda o: np.zeros(o.shape, "float32"), outputs)
+
+
+def _symbolic_inputs(model: keras.Model) -> Any:
+    """A functional model's inputs in their structure (a dict for KerasHub's), a
+    `Sequential`'s input tensor."""
+    try:
+        return model.input
+    except (AttributeError, ValueError):
+        inputs = getattr(model, "inputs", None)  # a Sequential has these only
+    if not inputs:
+        raise ValueError(
+            f"Model {model.name!r} has no symbolic inputs (a subclassed model): bench cannot "
+            "make data for it. Return (model, x, y) from your function."
+        )
+    return inputs[0] if len(inputs) == 1 else inputs
+
+
+def _tuples(value: Any) -> Any:
+    """Lists as tuples, nested: `tf.data` reads a list as one tensor, a tuple as a structure
+    (a model with several inputs)."""
+    if isinstance(value, list | tuple):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
+
+
+def _model_and_batches(
+    spec: str, returned: Any, batch: int
+) -> tuple[keras.Model, tf.data.Dataset, int]:
+    model, *data = returned if isinstance(returned, tuple) else (returned,)
+    if not isinstance(model, keras.Model) or len(data) not in (0, 2, 3):
+        raise TypeError(
+            f"{spec} must return a compiled keras.Model, or (model, x, y) or (model, x, y, "
+            f"sample_weight). Received: {type(returned).__name__}"
+        )
+    if not model.compiled:
+        raise ValueError(
+            f"{spec} returned model {model.name!r} not compiled: compile it in the function "
+            "(model.compile(optimizer=..., loss=...)), as you train it."
+        )
+    if not data:
+        one = _tuples(synthetic_data(model, batch))
+        return model, tf.data.Dataset.from_tensors(one).repeat(), batch
+    data = _tuples(data)
+    samples = len(keras.tree.flatten(data[0])[0])
+    if samples < batch:
+        raise ValueError(
+            f"{spec} returned {samples} samples, fewer than the batch size {batch}: return "
+            "more, or pass a smaller --batch-size."
+        )
+    batches = tf.data.Dataset.from_tensor_slices(tuple(data)).batch(batch, drop_remainder=True)
+    return model, batches.repeat(), batch
+
+
+def model_source(spec: str, batch: int | None = None) -> ModelSource:
+    """What `run_model_bench` benches for `spec`: a zoo model at its `"bench"` size, or the
+    model a function builds (`load_function`), with its data or `synthetic_data`."""
+    if spec in zoo.MODELS:
+
+        def build_zoo() -> tuple[keras.Model, tf.data.Dataset, int]:
+            entry = zoo.build(spec, size="bench")
+            entry.model.compile(optimizer="adam", loss=entry.loss)
+            return entry.model, entry.dataset(4), entry.batch_size
+
+        return ModelSource(spec, build_zoo)
+    function = load_function(spec)
+    size = 32 if batch is None else batch
+
+    def build_function() -> tuple[keras.Model, tf.data.Dataset, int]:
+        with _user_code(spec, "calling it"):
+            returned = function()
+        return _model_and_batches(spec, returned, size)
+
+    return ModelSource(spec.rpartition(":")[2], build_function)
+
+
+def _source_variants(
+    source: ModelSource, policy: str, steps: int, hardware: Any, say: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """One variant per stack: float32 once; each low precision plain and through tfmixprec's
+    CPU routes, the latter only where a route changes a layer (else it is the same step);
+    float16 on a CPU only through the routes (plain Keras float16 there takes minutes a
+    step, benchmarks/RESULTS.md 2b)."""
+    resolved = choose_policy(hardware).name if policy == "auto" else check_policy_name(policy)
+    stacks = ["keras", "tfmixprec"]
+    if resolved == "float32":
+        stacks = ["keras"]
+    elif resolved == "mixed_float16" and not hardware.gpus and not hardware.tpus:
+        stacks = ["tfmixprec"]
+    variants = []
+    for stack in stacks:
+        with policy_scope(resolved, hardware), warnings.catch_warnings():
+            # float16 without a GPU: bench measures it on purpose (set_policy's warning).
+            warnings.filterwarnings("ignore", "mixed_float16 without a GPU", UserWarning)
+            keras.utils.set_random_seed(0)
+            net, data, batch = source.build()
+        if stack == "tfmixprec":
+            route_slow_cpu_kernels(net)
+            if variants and not any(route_of(layer) for layer in iter_layers(net)):
+                say(f"{resolved}, tfmixprec: no layer to route here, the same step as keras")
+                continue
+        variant = dict(policy=policy, resolved=resolved, stack=stack, net=net, steps=steps)
+        variants.append({**variant, "batch": batch, "data": data})
+    return variants
+
+
+def run_model_bench(
+    spec: str,
+    policies: Sequence[str] = MODEL_POLICIES,
+    batch: int | None = None,
+    steps: int = 10,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchResult]:
+    """Times `fit` steps of a zoo model or of your own under each policy, side by side.
+
+    Args:
+        spec: String. A zoo name (`tfmixprec.zoo.MODELS`), or `MODULE:FUNCTION` /
+            `FILE.py:FUNCTION`: a function that builds and compiles your model under the
+            global policy it finds, returning the model (bench makes `synthetic_data`) or
+            `(model, x, y)` / `(model, x, y, sample_weight)`. It is called once per variant.
+        policies: List of policy names (`"auto"` allowed); float32 is what ratios compare to.
+        batch: Int. Batch size for a function's model (default 32); a zoo model uses its own.
+        steps: Int. Steps per timed run.
+        repeats: Int. Timed runs per variant (the median is reported).
+        progress: Callable taking one line, or None (as in `run_bench`).
+
+    Returns:
+        List of `BenchResult`, for `recommend`.
+    """
+    hardware = detect_hardware()
+    source = model_source(spec, batch)
+    say = progress or (lambda line: None)
+    variants = [v for p in policies for v in _source_variants(source, p, steps, hardware, say)]
+    with _user_code(spec, "training its model (on made-up data unless it returns (model, x, y))"):
+        runs = _timed_runs(variants, repeats, say)
+    return [_result(source.name, v, runs[i]) for i, v in enumerate(variants)]
