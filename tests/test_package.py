@@ -116,18 +116,23 @@ def test_each_public_folder_lists_what_its_modules_offer():
         assert all(hasattr(package, name) for name in offered), folder
 
 
+def _package_imports(tree):
+    """`(alias, base, inner)` for each name a module imports from the package, at any level:
+    `base` the module or folder it names (`""`: the package), `inner` the name as a key."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfmixprec"):
+            base = node.module.split(".", 1)[1] if "." in node.module else ""
+            for alias in node.names:
+                yield alias, base, f"{base}.{alias.name}" if base else alias.name
+
+
 def _imports(tree, modules):
     """The modules of the package a module imports (by key; a folder's `__init__` by the
     folder's name), at any level."""
-    found = set()
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfmixprec")):
-            continue
-        base = node.module.split(".", 1)[1] if "." in node.module else ""
-        for alias in node.names:
-            inner = f"{base}.{alias.name}" if base else alias.name
-            found.add(inner if inner in modules else (base or "__init__"))
-    return found
+    return {
+        inner if inner in modules else (base or "__init__")
+        for _, base, inner in _package_imports(tree)
+    }
 
 
 def test_no_import_runs_back_up_the_folders():
@@ -151,14 +156,11 @@ def test_no_underscore_name_crosses_a_module():
     found = []
     for key, tree in modules.items():
         bound = {}  # names of imported package modules in this module
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfmixprec"):
-                found += [f"{key}: {a.name}" for a in node.names if _private(a.name)]
-                base = node.module.split(".", 1)[1] if "." in node.module else ""
-                for alias in node.names:
-                    inner = f"{base}.{alias.name}" if base else alias.name
-                    if inner in modules:
-                        bound[alias.asname or alias.name] = inner
+        for alias, _, inner in _package_imports(tree):
+            if _private(alias.name):
+                found.append(f"{key}: {alias.name}")
+            if inner in modules:
+                bound[alias.asname or alias.name] = inner
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                 if node.value.id in bound and _private(node.attr):
