@@ -101,7 +101,8 @@ def test_reference_names_every_public_name():
     assert len(paths) == len(set(paths))
     documented = [_resolve(path) for path in paths]
     public = [getattr(tfmixprec, name) for name in tfmixprec.__all__]
-    assert len(documented) == len(public)
+    # An old name of a type (`Float8Quantized`, 0.4.0's) is the type itself: one block.
+    assert len(documented) == len({id(value) for value in public})
     for name, value in zip(tfmixprec.__all__, public):
         assert any(value is d for d in documented), f"tfmixprec.{name} is not in reference.md"
     for module in ("cpu_float16", "datasets", "testing", "zoo"):

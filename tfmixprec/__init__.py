@@ -38,6 +38,8 @@ from tfmixprec.checks import doctor
 from tfmixprec.precision import Float8Change
 from tfmixprec.precision import Float8LayerStats
 from tfmixprec.fit import Float8Monitor
+from tfmixprec.precision import Float8Recipe
+from tfmixprec.precision import Float8Tensor
 from tfmixprec.precision import Float8TensorStats
 from tfmixprec.precision import float8_layers
 from tfmixprec.precision import float8_stats
@@ -77,7 +79,9 @@ __all__ = [
     "Float8LayerStats",
     "Float8Monitor",
     "Float8Quantized",
+    "Float8Recipe",
     "Float8Replay",
+    "Float8Tensor",
     "Float8TensorStats",
     "GPUInfo",
     "GradientRangeMonitor",

@@ -50,7 +50,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "datasets": ("tools.datasets",),
     "diagnosis": ("replay.diagnosis", "fit.overflow_batches"),
     "doctor": ("checks.doctor",),
-    "float8": ("precision.float8", "fit.float8_monitor"),
+    "float8": ("precision.float8", "precision.float8_recipe", "fit.float8_monitor"),
     "gradient_range": ("scaling.gradient_range", "fit.gradient_monitor"),
     "hardware": ("precision.hardware",),
     "loss_scale": ("scaling.loss_scale",),

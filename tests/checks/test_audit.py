@@ -15,6 +15,7 @@ import pytest
 
 import tfmixprec
 from tfmixprec._common.observe import observe
+from tfmixprec.precision import float8_recipe
 from tfmixprec.precision.hardware import GPUInfo, HardwareInfo
 
 # The model's own findings, the same on any machine; the machine's are tested on their own.
@@ -413,6 +414,27 @@ def test_a_float8_layer_with_sizes_not_multiples_of_16():
     assert finding.fix == (
         "Pad units to 32, or leave the layer out of float8 (tfmixprec.float8_layers does)."
     )
+
+
+def test_the_audit_follows_the_float8_recipe_it_reads(monkeypatch):
+    """The audit's float8 findings read `float8.RECIPE`: aligned to 8 with no excluded role,
+    neither the 24-unit layer nor `model.quantize`'s output and first layers are found for
+    their sizes or roles."""
+    model = _float8_mlp(units=24)
+    model.quantize("float8")
+    found = _float8_codes(tfmixprec.audit(model, hardware=H100))
+    assert [code for _, code, _ in found] == [
+        "float8-output-layer",
+        "float8-first-layer",
+        "float8-misaligned",
+    ]
+    monkeypatch.setattr(
+        float8_recipe, "RECIPE", tfmixprec.Float8Recipe(alignment=8, excluded_roles=())
+    )
+    # `out` computes in float32: with its role no longer a reason, the next reason is found.
+    assert _float8_codes(tfmixprec.audit(model, hardware=H100)) == [
+        ("warning", "float8-no-gain", "out")
+    ]
 
 
 def test_a_float8_layer_computing_in_float32_gains_nothing():

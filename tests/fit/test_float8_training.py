@@ -16,12 +16,12 @@ import pytest
 import tensorflow as tf
 
 import tfmixprec
-from tfmixprec.precision.float8 import TENSORS
+from tfmixprec.precision.float8 import RECIPE
 from tfmixprec.tools.testing import FaultInjector
 
 C = keras.initializers.Constant
 SCALE = 256.0  # a power of two: the output gradient times it is exact in float16
-NAMES = [name for _, scale, history, _ in TENSORS for name in (scale, history)]
+NAMES = [name for t in RECIPE.tensors for name in (t.scale, t.amax_history)]
 ENTRIES = ["fit", "make_train_step", "eager_apply", "one_function", "two_functions"]
 REPLICATED = ["two_replicas_fit", "two_replicas_loop"]
 

@@ -1,5 +1,6 @@
 """float8: which layers `float8_layers` quantizes, the in-step counts, their readers."""
 
+import dataclasses
 import warnings
 
 import keras
@@ -8,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfmixprec
-from tfmixprec.precision import float8
+from tfmixprec.precision import float8, float8_recipe
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
@@ -478,3 +479,68 @@ def test_layers_never_called_in_training_are_said():
     frozen = r"'middle': its inputs amax history is still all zeros .*\(no training call"
     with pytest.warns(UserWarning, match=frozen):
         model.fit(x, y, batch_size=16, verbose=0, callbacks=[tfmixprec.Float8Monitor()])
+
+
+def test_the_recipe_is_one_frozen_value():
+    recipe = float8_recipe.RECIPE
+    assert tfmixprec.float8.RECIPE is recipe  # 0.4.0's module path shows it too
+    assert recipe == tfmixprec.Float8Recipe()
+    assert (recipe.alignment, recipe.excluded_roles) == (16, ("output", "softmax", "first"))
+    assert [(t.name, t.format, t.maximum) for t in recipe.tensors] == [
+        ("inputs", E4M3, 448.0),
+        ("kernel", E4M3, 448.0),
+        ("outputs_grad", E5M2, 57344.0),
+    ]
+    assert (recipe.tensor("kernel").scale, recipe.tensor("kernel").amax_history) == (
+        "kernel_scale",
+        "kernel_amax_history",
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recipe.alignment = 8
+
+
+def test_the_plan_follows_the_recipe_it_reads(monkeypatch):
+    """A recipe aligned to 8 that keeps no role out: the plan takes the layers the default
+    recipe leaves out for their sizes and roles, and only those."""
+    monkeypatch.setattr(
+        float8_recipe, "RECIPE", tfmixprec.Float8Recipe(alignment=8, excluded_roles=())
+    )
+    tfmixprec.set_policy("mixed_bfloat16")
+    plan = {layer.name: why for layer, why in float8.float8_plan(_recipe_model())}
+    assert plan == {name: None for name in RECIPE} | {"kept_float32": RECIPE["kept_float32"]}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"alignment": 0}, ValueError, "alignment must be a positive int. Received: alignment=0"),
+        ({"alignment": 16.0}, TypeError, "Received: alignment=16.0"),
+        ({"alignment": True}, TypeError, "Received: alignment=True"),
+        ({"excluded_roles": ("output", "last")}, ValueError, r"unknown roles \['last'\]"),
+        (
+            {"tensors": (tfmixprec.Float8Tensor("inputs", "s", "h", "float8_e4m3"),)},
+            ValueError,
+            r"unknown float8 formats \['float8_e4m3'\]",
+        ),
+    ],
+)
+def test_a_bad_recipe_is_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        tfmixprec.Float8Recipe(**kwargs)
+
+
+def test_a_recipe_names_its_tensors():
+    with pytest.raises(ValueError, match=r"\['inputs', 'kernel', 'outputs_grad'\], not 'bias'"):
+        float8_recipe.RECIPE.tensor("bias")
+
+
+def test_an_empty_count_has_no_share():
+    """One statistics type with one empty count: `float8_stats` before any step gives nan
+    (as a replay's tensor that no gradient reached does), and the tables print `-`."""
+    tfmixprec.set_policy("mixed_bfloat16")
+    empty = _counts(_quantized_mlp())["inputs"]
+    assert isinstance(empty, tfmixprec.Float8TensorStats) and empty.values == 0
+    shares = (empty.saturated_fraction, empty.underflow_fraction, empty.flushed_fraction)
+    assert all(np.isnan(share) for share in shares)
+    assert [float8_recipe.percent(share) for share in (shares[0], 0.125)] == ["-", "12.50%"]
+    assert tfmixprec.Float8Quantized is tfmixprec.Float8TensorStats  # 0.4.0's name

@@ -12,11 +12,16 @@ import numpy as np
 import pytest
 
 import tfmixprec
-from tfmixprec.precision.float8 import is_float8
-from tfmixprec.replay.diagnosis import Float8Quantized, Float8Replay
+from tfmixprec.precision.float8 import Float8TensorStats, is_float8
+from tfmixprec.replay.diagnosis import Float8Replay
 
 C = keras.initializers.Constant
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
+
+
+def _stats(fmt, scale, amax, values, saturated=0, zero=0, flushed=0):
+    """A replay's statistics of one tensor (its history always moves in a replay)."""
+    return Float8TensorStats(fmt, scale, amax, values, saturated, zero, flushed, True)
 
 
 def _saturating(scale):
@@ -67,9 +72,9 @@ def test_a_replay_names_the_float8_layer_that_saturates_with_its_scales():
         Float8Replay(
             "b",
             "float8_from_mixed_float16",
-            inputs=Float8Quantized(E4M3, 1 / 1024, 1.0, 128, 128, 0),
-            kernel=Float8Quantized(E4M3, 1.0, 1 / 32, 1024, 0, 0),
-            outputs_grad=Float8Quantized(E5M2, 0.5, 57344.0, 128, 128, 0),
+            inputs=_stats(E4M3, 1 / 1024, 1.0, 128, saturated=128),
+            kernel=_stats(E4M3, 1.0, 1 / 32, 1024),
+            outputs_grad=_stats(E5M2, 0.5, 57344.0, 128, saturated=128),
         ),
     )
     assert "In float8, 'b' saturated or flushed values at the scales they had" in str(diagnosis)
@@ -91,7 +96,7 @@ def test_a_flushing_kernel_and_an_inf_output_gradient():
     kernel[0, :] = 2.0**-13  # under e4m3's smallest subnormal (2^-9) at a kernel scale of 1
     layer.kernel.assign(kernel)
     [record] = tfmixprec.explain_overflow(model, _ones()).float8
-    assert record.kernel == Float8Quantized(E4M3, 1.0, 1 / 32, 1024, 0, 32)
+    assert record.kernel == _stats(E4M3, 1.0, 1 / 32, 1024, zero=32, flushed=32)
     assert record.outputs_grad.amax == np.inf
     assert record.outputs_grad.saturated == 128
     assert "kernel (e4m3fn) 3.12% flushed to 0 at scale 1" in str(record)

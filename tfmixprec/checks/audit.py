@@ -22,7 +22,7 @@ from tfmixprec._common.layers import (
 from tfmixprec._common.observe import Observation, observe, policies_swapped
 from tfmixprec._common.text import docs_page, markdown_table
 from tfmixprec.checks.model_file import load_model_file
-from tfmixprec.precision import cpu_bfloat16, cpu_float16, float8
+from tfmixprec.precision import cpu_bfloat16, cpu_float16, float8, float8_recipe
 from tfmixprec.precision.cpu_route import route_of
 from tfmixprec.precision.hardware import HardwareInfo, detect_hardware
 from tfmixprec.precision.policy import (
@@ -382,10 +382,16 @@ def _low_precision_variable(layer: Any, context: _AuditContext) -> list[Finding]
 
 
 # float8 layers (Keras's `quantize("float8")`): each gets at most one of the layer findings
-# below, for the first of the reasons `float8.float8_reason` leaves a layer out of
-# `float8_layers` that applies, in this order: an output or softmax-like layer, the model's
-# first matmul layer, a layer computing in float32, misaligned sizes (the fix of each earlier
-# one takes the layer out of float8, which makes the later ones moot).
+# below, for the first reason that applies of those `float8_recipe.RECIPE` gives to leave a layer
+# out of `float8_layers`, in this order: its excluded roles (an output or softmax-like layer, the
+# model's first matmul layer), a layer computing in float32, sizes not multiples of the
+# recipe's alignment (the fix of each earlier one takes the layer out of float8, which makes
+# the later ones moot).
+_ROLE_FINDINGS = {
+    "output": "float8-output-layer",
+    "softmax": "float8-output-layer",
+    "first": "float8-first-layer",
+}
 
 _FLOAT8_PAGE = "guides/float8"
 _FLOAT8_FIX = (
@@ -399,14 +405,16 @@ def _float8_problem(layer: Any, context: _AuditContext) -> str | None:
     suits it."""
     if not float8.is_float8(layer):
         return None
-    if context.outputs_of(layer) or float32_reason(layer) is not None:
-        return "float8-output-layer"
-    if layer is float8.first_matmul_layer(context.observation):
-        return "float8-first-layer"
+    first = layer is float8.first_matmul_layer(context.observation)
+    role = float8_recipe.RECIPE.excluded_role(
+        layer, output=bool(context.outputs_of(layer)), first=first
+    )
+    if role is not None:
+        return _ROLE_FINDINGS[role]
     if context.compute_dtype(layer) not in LOW_PRECISION:
         return "float8-no-gain"
     dims = float8.matmul_dims(layer)
-    if dims is not None and any(size % float8.ALIGNMENT for size in dims):
+    if dims is not None and float8_recipe.RECIPE.misaligned(dims):
         return "float8-misaligned"
     return None
 
@@ -446,20 +454,21 @@ def _float8_first_layer(layer: Any, context: _AuditContext) -> list[Finding]:
 
 
 def _float8_misaligned(layer: Any, context: _AuditContext) -> list[Finding]:
-    """A float8 layer whose matmul dimensions are not both multiples of 16."""
+    """A float8 layer whose matmul dimensions are not both multiples of the recipe's alignment."""
     if _float8_problem(layer, context) != "float8-misaligned":
         return []
     k, n = float8.matmul_dims(layer)
     out = "units" if isinstance(layer, keras.layers.Dense) else "output size"
     named = [("input features", k), (out, n)]
-    bad = [(what, size) for what, size in named if size % float8.ALIGNMENT]
+    alignment = float8_recipe.RECIPE.alignment
+    bad = [(what, size) for what, size in named if float8_recipe.RECIPE.misaligned((size,))]
     shown = " and ".join(f"{what} ({size})" for what, size in bad)
     message = (
-        f"{shown} {'is' if len(bad) == 1 else 'are'} not a multiple of {float8.ALIGNMENT}: "
+        f"{shown} {'is' if len(bad) == 1 else 'are'} not a multiple of {alignment}: "
         f"float8 Tensor Cores need both matmul dimensions (input features {k}, {out} {n}) to "
         f"be. {docs_page(_FLOAT8_PAGE)}"
     )
-    padded = " and ".join(f"{what} to {_padded(size, float8.ALIGNMENT)}" for what, size in bad)
+    padded = " and ".join(f"{what} to {_padded(size, alignment)}" for what, size in bad)
     fix = f"Pad {padded}, or leave the layer out of float8 (tfmixprec.float8_layers does)."
     return [Finding("warning", "float8-misaligned", layer.name, message, fix)]
 

@@ -1,6 +1,7 @@
 """Choosing and routing precisions: dtype policies and the hardware they are chosen for,
 the CPU routes around slow float16 and bfloat16 kernels, and float8 (which layers, and
-the in-step counters of what quantizing does).
+the in-step counters of what quantizing does, and the one recipe and statistics type they
+read).
 
 What it offers, by module (each module's `__all__`).
 """
@@ -8,11 +9,15 @@ What it offers, by module (each module's `__all__`).
 from tfmixprec.precision import cpu_bfloat16, cpu_float16, float8
 from tfmixprec.precision.float8 import (
     Float8Change,
-    Float8LayerStats,
-    Float8TensorStats,
     float8_layers,
     float8_stats,
     quantization_counts,
+)
+from tfmixprec.precision.float8_recipe import (
+    Float8LayerStats,
+    Float8Recipe,
+    Float8Tensor,
+    Float8TensorStats,
 )
 from tfmixprec.precision.hardware import GPUInfo, HardwareInfo, detect_hardware
 from tfmixprec.precision.policy import (
@@ -39,6 +44,8 @@ __all__ = [
     "float8",
     "Float8Change",
     "Float8LayerStats",
+    "Float8Recipe",
+    "Float8Tensor",
     "Float8TensorStats",
     "float8_layers",
     "float8_stats",

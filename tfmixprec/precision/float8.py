@@ -26,7 +26,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmixprec._common.dtypes import FLOAT8_MAX
 from tfmixprec._common.layers import (
     check_built_model,
     forget_traced_functions,
@@ -35,29 +34,25 @@ from tfmixprec._common.layers import (
 )
 from tfmixprec._common.observe import Observation, observe
 from tfmixprec._keras.float8 import float8_call_watched, watch_float8_call
+from tfmixprec.precision import float8_recipe
 from tfmixprec.precision.cpu_route import unroute
+from tfmixprec.precision.float8_recipe import (  # and `tfmixprec.float8.X`, as in 0.4.0
+    RECIPE,  # noqa: F401 (`tfmixprec.float8.RECIPE`; this module reads float8_recipe.RECIPE)
+    ROLES,
+    Float8LayerStats,
+    Float8Recipe,  # noqa: F401
+    Float8Tensor,  # noqa: F401
+    Float8TensorStats,
+    quantization_counts,
+)
 from tfmixprec.precision.policy import LOW_PRECISION, float32_reason
 
 __all__ = [
     "Float8Change",
-    "Float8LayerStats",
-    "Float8TensorStats",
     "float8_layers",
     "float8_stats",
-    "quantization_counts",
+    "quantization_counts",  # float8_recipe's, offered here as in 0.4.0
 ]
-
-
-# The tensors a float8 layer quantizes: (name, the layer's scale variable, its amax history,
-# the float8 format).
-TENSORS = (
-    ("inputs", "inputs_scale", "inputs_amax_history", "float8_e4m3fn"),
-    ("kernel", "kernel_scale", "kernel_amax_history", "float8_e4m3fn"),
-    ("outputs_grad", "outputs_grad_scale", "outputs_grad_amax_history", "float8_e5m2"),
-)
-
-
-ALIGNMENT = 16  # Transformer Engine's float8 GEMMs need both dimensions to be multiples of 16
 
 
 _COUNTS = "_tfmixprec_float8_counts"  # on a watched layer: its counter variables
@@ -126,15 +121,16 @@ def float8_reason(layer: Any, first: set[int], outputs: set[int]) -> str | None:
         return "LoRA is enabled (Keras's float8 layers do not support LoRA)"
     if layer.dtype_policy.compute_dtype not in LOW_PRECISION:
         return f"computes in {layer.dtype_policy.compute_dtype} (the policy leaves it out)"
-    if id(layer) in outputs:
-        return "makes a model output"
-    if float32_reason(layer) is not None:
+    role = float8_recipe.RECIPE.excluded_role(
+        layer, output=id(layer) in outputs, first=id(layer) in first
+    )
+    if role == "softmax":
         return f"a softmax-like layer ({float32_reason(layer)})"
-    if id(layer) in first:
-        return "the model's first layer (its first matmul)"
+    if role is not None:
+        return ROLES[role]
     k, n = matmul_dims(layer)
-    if k % ALIGNMENT or n % ALIGNMENT:
-        return f"matmul dimensions {k} x {n} are not multiples of {ALIGNMENT}"
+    if float8_recipe.RECIPE.misaligned((k, n)):
+        return f"matmul dimensions {k} x {n} are not multiples of {float8_recipe.RECIPE.alignment}"
     return None
 
 
@@ -248,43 +244,6 @@ def float8_layers(model: keras.Model, exclude: Sequence[str] = ()) -> list[Float
     return changes
 
 
-def quantization_counts(x: Any, scale: Any, fmt: str) -> tf.Tensor:
-    """How many values of `x` saturate and how many are zero once quantized to `fmt` with
-    `scale`, as Keras's float8 layers quantize: `x / scale` in `x`'s dtype, clipped at the
-    format's largest value, cast to float8. Saturated and zero are Transformer Engine's
-    "overflows" and "underflows" (a value that is zero to begin with counts as zero); flushed
-    are the values that were not zero and are once quantized (what float8 lost).
-
-    Args:
-        x: Tensor. The values to quantize.
-        scale: Scalar. The scale (Keras's; Transformer Engine's `scale_inv`).
-        fmt: String. `"float8_e4m3fn"` or `"float8_e5m2"`.
-
-    Returns:
-        int64 Tensor `[values, saturated, zero, flushed]`.
-
-    Example:
-
-    >>> x = tf.constant([0.0, 1e-6, 1.0, 500.0])
-    >>> tfmixprec.float8.quantization_counts(x, 1.0, "float8_e4m3fn").numpy().tolist()
-    [4, 1, 2, 1]
-    """
-    if fmt not in FLOAT8_MAX:
-        raise ValueError(f"fmt must be one of {sorted(FLOAT8_MAX)}. Received: fmt={fmt!r}")
-    x = tf.convert_to_tensor(x)
-    scaled = x / tf.cast(scale, x.dtype)
-    saturated = tf.abs(tf.cast(scaled, tf.float32)) > FLOAT8_MAX[fmt]
-    zero = tf.equal(keras.quantizers.quantize_and_dequantize(x, scale, fmt, x.dtype), 0)
-    return tf.stack(
-        [
-            tf.size(x, out_type=tf.int64),
-            tf.math.count_nonzero(saturated, dtype=tf.int64),
-            tf.math.count_nonzero(zero, dtype=tf.int64),
-            tf.math.count_nonzero(zero & tf.not_equal(x, 0), dtype=tf.int64),
-        ]
-    )
-
-
 def gradient_watched(x: Any, seen: Any) -> Any:
     """`x` as it is, whose gradient is handed to `seen` on its way back (unchanged): the
     output gradient a float8 layer quantizes, where `watch_float8_call` puts it."""
@@ -313,22 +272,24 @@ class _Counts:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM,
             )
-            for name, *_ in TENSORS
+            for name in (t.name for t in float8_recipe.RECIPE.tensors)
         }
         self.layer = layer
 
-    def add(self, name: str, x: Any, scale: Any, fmt: str) -> None:
-        self.variables[name].assign_add(quantization_counts(x, scale, fmt))
+    def scale(self, name: str) -> tf.Tensor:
+        return tf.convert_to_tensor(getattr(self.layer, float8_recipe.RECIPE.tensor(name).scale))
+
+    def add(self, name: str, x: Any, scale: Any) -> None:
+        counts = quantization_counts(x, scale, float8_recipe.RECIPE.tensor(name).format)
+        self.variables[name].assign_add(counts)
 
     def forward(self, inputs: Any, kernel: Any) -> None:
-        layer = self.layer
-        self.add("inputs", inputs, tf.convert_to_tensor(layer.inputs_scale), "float8_e4m3fn")
-        kernel = tf.convert_to_tensor(kernel)
-        self.add("kernel", kernel, tf.convert_to_tensor(layer.kernel_scale), "float8_e4m3fn")
+        self.add("inputs", inputs, self.scale("inputs"))
+        self.add("kernel", tf.convert_to_tensor(kernel), self.scale("kernel"))
 
     def output(self, x: Any) -> Any:
-        scale = tf.convert_to_tensor(self.layer.outputs_grad_scale)  # as the forward reads it
-        return gradient_watched(x, lambda g: self.add("outputs_grad", g, scale, "float8_e5m2"))
+        scale = self.scale("outputs_grad")  # as the forward reads it
+        return gradient_watched(x, lambda g: self.add("outputs_grad", g, scale))
 
     def read(self) -> dict[str, np.ndarray]:
         """The counts summed over this process's replicas (no collective: across workers,
@@ -363,79 +324,6 @@ def watch_float8(model: keras.Model) -> list[str]:
     return started
 
 
-@dataclasses.dataclass(frozen=True)
-class Float8TensorStats:
-    """What quantizing one tensor of a float8 layer did, over the training steps counted.
-
-    Attributes:
-        scale: Float. The scale now (Keras's: a value is divided by it; Transformer Engine's
-            `scale_inv`).
-        amax: Float. The largest magnitude in the amax history, which the next scale follows.
-        values: Int. Values quantized in the steps counted.
-        saturated: Int. Of those, the ones clipped at the format's largest value.
-        zero: Int. Of those, the ones that were zero once quantized (Transformer Engine's
-            underflows: zeros to begin with included).
-        flushed: Int. Of those, the ones that were not zero and were once quantized.
-        history_moved: Bool. False when the amax history is still all zeros although the
-            optimizer applied steps: the scale then never leaves its start (1.0). Keras
-            updates the histories through the gradient, so a layer whose output never reaches
-            the loss, or one called without `training=True`, keeps them at zero.
-    """
-
-    scale: float
-    amax: float
-    values: int
-    saturated: int
-    zero: int
-    flushed: int
-    history_moved: bool = True
-
-    @property
-    def saturated_fraction(self) -> float:
-        """Share of the values that saturated (nan when none were counted)."""
-        return self.saturated / self.values if self.values else float("nan")
-
-    @property
-    def underflow_fraction(self) -> float:
-        """Share of the values that were zero once quantized (nan when none were counted)."""
-        return self.zero / self.values if self.values else float("nan")
-
-    @property
-    def flushed_fraction(self) -> float:
-        """Share of the values that were not zero and were once quantized (nan when none were
-        counted)."""
-        return self.flushed / self.values if self.values else float("nan")
-
-    def since(self, earlier: Float8TensorStats) -> Float8TensorStats:
-        """These counts less `earlier`'s (the scale, amax and history as now)."""
-        return dataclasses.replace(
-            self,
-            values=self.values - earlier.values,
-            saturated=self.saturated - earlier.saturated,
-            zero=self.zero - earlier.zero,
-            flushed=self.flushed - earlier.flushed,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Float8LayerStats:
-    """One float8 layer's `Float8TensorStats` (`layer`: its name, or its path where the model
-    has another layer of that name): `inputs` and `kernel` (e4m3), `outputs_grad` (e5m2)."""
-
-    layer: str
-    inputs: Float8TensorStats
-    kernel: Float8TensorStats
-    outputs_grad: Float8TensorStats
-
-    def tensors(self) -> dict[str, Float8TensorStats]:
-        return {name: getattr(self, name) for name, *_ in TENSORS}
-
-    def since(self, earlier: Float8LayerStats) -> Float8LayerStats:
-        """The counts since `earlier` (a read of the same layer)."""
-        mine, theirs = self.tensors(), earlier.tensors()
-        return Float8LayerStats(self.layer, **{n: mine[n].since(theirs[n]) for n in mine})
-
-
 def applied_steps(model: keras.Model) -> int:
     optimizer = getattr(model, "optimizer", None)
     return 0 if optimizer is None else int(optimizer.iterations.numpy())
@@ -444,12 +332,13 @@ def applied_steps(model: keras.Model) -> int:
 def _layer_stats(layer: Any, label: str, applied: int) -> Float8LayerStats:
     counts = vars(layer)[_COUNTS].read() if _COUNTS in vars(layer) else {}
     tensors = {}
-    for name, scale, history, _ in TENSORS:
-        amax = np.asarray(getattr(layer, history).numpy(), np.float64)
-        values, saturated, zero, flushed = (int(v) for v in counts.get(name, (0,) * 4))
+    for tensor in float8_recipe.RECIPE.tensors:
+        amax = np.asarray(getattr(layer, tensor.amax_history).numpy(), np.float64)
+        values, saturated, zero, flushed = (int(v) for v in counts.get(tensor.name, (0,) * 4))
         moved = bool(np.any(amax != 0)) or applied == 0
-        tensors[name] = Float8TensorStats(
-            float(getattr(layer, scale).numpy()),
+        tensors[tensor.name] = Float8TensorStats(
+            tensor.format,
+            float(getattr(layer, tensor.scale).numpy()),
             float(np.max(amax)),
             values,
             saturated,

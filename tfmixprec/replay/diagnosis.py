@@ -40,7 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._common.arrays import float_arrays, nonfinite_count
-from tfmixprec._common.dtypes import DTYPE_MAX, FLOAT8_MAX, FLOAT32_MAX
+from tfmixprec._common.dtypes import DTYPE_MAX, FLOAT32_MAX
 from tfmixprec._common.layers import (
     all_layers,
     check_built_model,
@@ -51,7 +51,14 @@ from tfmixprec._common.layers import (
 from tfmixprec._common.observe import policies_swapped
 from tfmixprec._common.text import jsonable, markdown_table
 from tfmixprec._common.validate import check_float32_scale
-from tfmixprec.precision.float8 import TENSORS, gradient_watched, is_float8, quantization_counts
+from tfmixprec.precision import float8_recipe
+from tfmixprec.precision.float8 import gradient_watched, is_float8
+from tfmixprec.precision.float8_recipe import (
+    Float8Tensor,
+    Float8TensorStats,
+    percent,
+    quantization_counts,
+)
 from tfmixprec.replay.engine import bad_data, computes_in, replay
 from tfmixprec.scaling.gradient_range import gradient_range_stats
 from tfmixprec.scaling.loss_scale import format_scale
@@ -96,49 +103,8 @@ class LayerReplay:
     gradient_underflow: float = 0.0
 
 
-@dataclasses.dataclass(frozen=True)
-class Float8Quantized:
-    """What quantizing one tensor of a float8 layer did in the replay, as the step does it:
-    `x / scale` clipped at the format's largest value and cast to float8.
-
-    Attributes:
-        format: String. `"float8_e4m3fn"` (inputs, kernel) or `"float8_e5m2"` (the output
-            gradient).
-        scale: Float. The scale it was quantized with: the layer's scale variable as it is.
-        amax: Float. The largest |x| of the tensor in the replay, as its amax history would
-            record it (`inf` or `nan` where the tensor holds one).
-        values: Int. The values quantized.
-        saturated: Int. Of those, the ones past the format's largest value at the scale
-            (clipped there; an Inf among them).
-        flushed: Int. Of those, the ones not zero that were zero once quantized.
-    """
-
-    format: str
-    scale: float
-    amax: float
-    values: int
-    saturated: int
-    flushed: int
-
-    @property
-    def saturated_fraction(self) -> float:
-        """Share of the values that saturated (0 when none were quantized)."""
-        return self.saturated / self.values if self.values else 0.0
-
-    @property
-    def flushed_fraction(self) -> float:
-        """Share of the values that were not zero and were once quantized."""
-        return self.flushed / self.values if self.values else 0.0
-
-    def describe(self) -> str:
-        """What went wrong only: `"12.50% saturated (past 57344 x scale 1), amax 1.2e+05"`."""
-        parts = []
-        if self.saturated:
-            limit = f"{FLOAT8_MAX[self.format]:g} x scale {self.scale:.4g}"
-            parts.append(f"{self.saturated_fraction:.2%} saturated (past {limit})")
-        if self.flushed:
-            parts.append(f"{self.flushed_fraction:.2%} flushed to 0 at scale {self.scale:.4g}")
-        return f"{' and '.join(parts)}, amax {self.amax:.4g}"
+# 0.4.0's name of the replay's statistics type: the one `Float8TensorStats` now.
+Float8Quantized = Float8TensorStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,20 +114,20 @@ class Float8Replay:
     Attributes:
         layer: String. The layer's name.
         policy: String. Its dtype policy (`"float8_from_mixed_float16"`, ...).
-        inputs: `Float8Quantized`. Its inputs (e4m3, at `inputs_scale`).
-        kernel: `Float8Quantized`. Its kernel (e4m3, at `kernel_scale`).
-        outputs_grad: `Float8Quantized`. The gradient of the scaled loss at its output (e5m2,
+        inputs: `Float8TensorStats`. Its inputs (e4m3, at `inputs_scale`).
+        kernel: `Float8TensorStats`. Its kernel (e4m3, at `kernel_scale`).
+        outputs_grad: `Float8TensorStats`. The gradient of the scaled loss at its output (e5m2,
             at `outputs_grad_scale`), the one the step quantizes.
     """
 
     layer: str
     policy: str
-    inputs: Float8Quantized
-    kernel: Float8Quantized
-    outputs_grad: Float8Quantized
+    inputs: Float8TensorStats
+    kernel: Float8TensorStats
+    outputs_grad: Float8TensorStats
 
-    def tensors(self) -> dict[str, Float8Quantized]:
-        return {name: getattr(self, name) for name, *_ in TENSORS}
+    def tensors(self) -> dict[str, Float8TensorStats]:
+        return {t.name: getattr(self, t.name) for t in float8_recipe.RECIPE.tensors}
 
     def __str__(self) -> str:
         found = [
@@ -239,7 +205,7 @@ def _float8_table(records: Sequence[Float8Replay]) -> list[str]:
         return []
     rows = [
         (r.layer, name, t.format, f"{t.scale:.4g}", f"{t.amax:.4g}", t.values)
-        + (f"{t.saturated_fraction:.2%}", f"{t.flushed_fraction:.2%}")
+        + (percent(t.saturated_fraction), percent(t.flushed_fraction))
         for r in records
         for name, t in r.tensors().items()
     ]
@@ -264,12 +230,12 @@ def _output_stats(result: Any) -> tuple[float, int, int]:
 
 
 class _Float8Counts:
-    """A replay's float8 layers: per layer and quantized tensor, `quantization_counts` (values,
-    saturated, flushed) summed over its calls, and the largest |x|."""
+    """A replay's float8 layers: per layer and quantized tensor, `quantization_counts` summed
+    over its calls, and the largest |x|."""
 
     def __init__(self) -> None:
         self.layers: dict[int, Any] = {}
-        self.counts: dict[tuple[int, str], list] = {}
+        self.counts: dict[tuple[int, str], Float8TensorStats] = {}
 
     def forward(self, layer: Any, inputs: Any) -> None:
         self.add(layer, "inputs", inputs)
@@ -279,15 +245,23 @@ class _Float8Counts:
         return gradient_watched(x, lambda upstream: self.add(layer, "outputs_grad", upstream))
 
     def add(self, layer: Any, name: str, x: Any) -> None:
-        _, scale, _, fmt = next(entry for entry in TENSORS if entry[0] == name)
-        scale = tf.convert_to_tensor(getattr(layer, scale))
-        values, saturated, _, flushed = quantization_counts(x, scale, fmt).numpy().tolist()
+        tensor = float8_recipe.RECIPE.tensor(name)
+        scale = tf.convert_to_tensor(getattr(layer, tensor.scale))
+        counts = quantization_counts(x, scale, tensor.format).numpy().tolist()
         x = tf.cast(x, tf.float32)
-        amax = float(tf.reduce_max(tf.abs(x))) if values else 0.0  # as its amax history sees it
+        amax = float(tf.reduce_max(tf.abs(x))) if counts[0] else 0.0  # as its history sees it
         self.layers.setdefault(id(layer), layer)
-        total = self.counts.setdefault((id(layer), name), [fmt, float(scale), 0.0, 0, 0, 0])
-        amax = math.nan if math.isnan(amax) or math.isnan(total[2]) else max(amax, total[2])
-        total[2:] = [amax, total[3] + values, total[4] + saturated, total[5] + flushed]
+        total = self.counts.setdefault((id(layer), name), _empty(tensor, float(scale)))
+        amax = math.nan if math.isnan(amax) or math.isnan(total.amax) else max(amax, total.amax)
+        values, saturated, zero, flushed = counts
+        self.counts[id(layer), name] = dataclasses.replace(
+            total,
+            amax=amax,
+            values=total.values + values,
+            saturated=total.saturated + saturated,
+            zero=total.zero + zero,
+            flushed=total.flushed + flushed,
+        )
 
     def records(self, names: dict[int, str]) -> tuple[Float8Replay, ...]:
         """The layers whose quantization saturated or flushed a value, in forward order, named
@@ -295,16 +269,17 @@ class _Float8Counts:
         found = []
         for key, layer in self.layers.items():
             tensors = {  # no gradient reached its output: nothing quantized there
-                name: Float8Quantized(
-                    *self.counts.get(
-                        (key, name), [fmt, _value(getattr(layer, scale)), 0.0, 0, 0, 0]
-                    )
-                )
-                for name, scale, _, fmt in TENSORS
+                t.name: self.counts.get((key, t.name)) or _empty(t, _value(getattr(layer, t.scale)))
+                for t in float8_recipe.RECIPE.tensors
             }
             if any(t.saturated or t.flushed for t in tensors.values()):
                 found.append(Float8Replay(names[key], layer.dtype_policy.name, **tensors))
         return tuple(found)
+
+
+def _empty(tensor: Float8Tensor, scale: float) -> Float8TensorStats:
+    """`tensor`'s statistics before anything was quantized at `scale`."""
+    return Float8TensorStats(tensor.format, scale, 0.0, 0, 0, 0, 0)
 
 
 def _value(variable: Any) -> float:
