@@ -81,3 +81,26 @@ def overflowing(n=256, every=8, feature=0):
     x = 0.1 * np.random.default_rng(1).normal(size=(n, 8)).astype("float32")
     x[::every, feature] = 10.0
     return x, np.zeros((n, 1), "float32")
+
+
+def loss_model(loss=None, strategy=None):
+    """A float16 model whose outputs are finite (1.0) while its loss, a mean squared error
+    against labels of 400 computed in float16 (`loss`: by default Keras's own, built with
+    dtype="float16"), is not: 399^2 = 159201 passes 65504."""
+    keras.utils.set_random_seed(0)
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with tfmixprec.policy_scope("mixed_float16"), scope:
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(8, name="hidden", kernel_initializer=C(1 / 8))(inputs)
+        outputs = keras.layers.Dense(1, name="out", dtype="float32", kernel_initializer=C(1 / 8))(
+            hidden
+        )
+        made = keras.Model(inputs, outputs)
+        loss = keras.losses.MeanSquaredError(dtype="float16") if loss is None else loss
+        made.compile(keras.optimizers.SGD(1e-6), loss)
+    return made
+
+
+def loss_data(n=64):
+    """Inputs of ones (outputs of exactly 1.0) and labels of 400."""
+    return np.ones((n, 8), "float32"), np.full((n, 1), 400.0, "float32")

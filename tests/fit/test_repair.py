@@ -11,8 +11,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from overflow_models import loss_data, loss_model, overflowing, two_branches
 from overflow_models import model as overflow_model
-from overflow_models import overflowing, two_branches
 from tensorflow.python.framework import ops as tf_ops
 
 import tfmixprec
@@ -368,3 +368,28 @@ def test_sample_weights_in_a_later_fit_are_kept_too():
     model.fit(x, y, sample_weight=np.ones(len(x), "float32"), batch_size=32, shuffle=False,
               epochs=1, verbose=0, callbacks=[repair])  # fmt: skip
     assert [(r.step, r.layers) for r in repair.repairs] == [(12, ("big", "proj"))]  # 8 before
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_loss_that_overflows_in_its_own_dtype_is_repaired(replicas, request, capsys):
+    strategy = request.getfixturevalue("two_cpu_strategy") if replicas == 2 else None
+    model = loss_model(strategy=strategy)
+    repair = tfmixprec.PrecisionRepair()
+    x, y = loss_data(256)
+    history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[repair])
+    message = (
+        "the loss overflows in float16: it computes in its own dtype (float16) and is inf on "
+        "outputs that are finite, 1.592e+05 in float32"
+    )
+    # The fifth overflow in a row. Training goes on at 64: the loss's gradient, 2 x 399 = 798
+    # at the output, reaches `hidden` times 1/8, about 100, and 100 x 64 stays 8x under 65504.
+    [judgment] = repair.judgments
+    assert judgment == tfmixprec.Repair(4, (), "loss-overflow", message, 64.0, (), True)
+    assert judgment.repaired and repair.repairs == [judgment]
+    assert (
+        f"PrecisionRepair: step 4: the loss now computes in float32 (loss-overflow: {message})"
+        in (capsys.readouterr().out)
+    )
+    assert model.loss.dtype == "float32"
+    assert model.optimizer.read_state()["overflow_steps"] == 5
+    assert np.isfinite(history.history["loss"][-1])

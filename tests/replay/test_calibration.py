@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 from overflow_models import data as _data
+from overflow_models import loss_data, loss_model
 from overflow_models import model as _model
 
 import tfmixprec
@@ -362,3 +363,53 @@ def test_a_layer_shared_by_the_model_and_a_nested_model_is_named_once():
     model = keras.Model(inputs, outputs)
     keys = layer_names(model)
     assert keys[id(shared)] == "sub/shared" and len(set(keys.values())) == len(keys)
+
+
+def _unbuilt_state(model):
+    """`_state` of a model whose optimizer is not built (building it twice adds variables)."""
+    values = [v.numpy().tobytes() for v in model.weights + list(model.optimizer.variables)]
+    return values, [layer.dtype_policy.name for layer in model.layers], vars(model.loss).copy()
+
+
+LOSS_FIX = (
+    "the loss overflows in float16: it computes in its own dtype (float16) and is inf on "
+    "outputs that are finite, 1.592e+05 in float32"
+)
+
+
+def test_a_loss_that_overflows_in_its_own_dtype_is_named_and_computed_in_float32():
+    model = loss_model()
+    before = _unbuilt_state(model)
+    report = tfmixprec.calibrate(model, loss_data(), steps=2, batch_size=32)
+    assert _unbuilt_state(model) == before and model.loss.dtype == "float16"  # no change yet
+    assert (report.cause, report.float32_layers, report.problem) == ("loss-overflow", (), None)
+    assert report.float32_loss == LOSS_FIX
+    assert report.start_skips == 0  # at its start, with the loss in float32
+    assert str(report).splitlines()[1:] == ["float32_layers: none", f"float32_loss: {LOSS_FIX}"]
+    changes = report.apply(model)
+    assert [(c.layer, c.old, c.new) for c in changes[:1]] == [("loss", "float16", "float32")]
+    assert changes[0].why == LOSS_FIX and changes[1].layer == "loss_scale"
+    assert model.loss.dtype == "float32"
+    assert model.evaluate(*loss_data(), verbose=0) == 159201.0
+
+
+def test_a_loss_that_casts_to_float16_itself_is_named_not_fixed():
+    def loss(y_true, y_pred):  # casts to float16 by its own code
+        diff = keras.ops.cast(y_pred, "float16") - keras.ops.cast(y_true, "float16")
+        return keras.ops.mean(keras.ops.square(diff), axis=-1)
+
+    model = loss_model(loss)
+    report = tfmixprec.calibrate(model, loss_data(), steps=1)
+    assert (report.cause, report.float32_layers, report.float32_loss) == ("loss-overflow", (), None)
+    assert report.problem == (
+        "the loss overflows by itself: it is inf on finite outputs, even with every layer in "
+        "float32. Its own code computes in float16 (a Loss built with dtype='float16', or a cast "
+        "inside it), or the labels are out of range: compute it in float32 and check the labels."
+    )
+    assert f"not fixed by float32 layers (loss-overflow): {report.problem}" in str(report)
+    # A report that moves the loss cannot be applied to a loss without a dtype of its own.
+    moving = dataclasses.replace(report, float32_loss=LOSS_FIX)
+    before = _unbuilt_state(model)
+    with pytest.raises(ValueError, match="compiled with loss=<function .*has no dtype of its own"):
+        moving.apply(model)
+    assert _unbuilt_state(model) == before

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from overflow_models import loss_data, loss_model
 from tensorboard.backend.event_processing import event_accumulator
 
 import tfmixprec
@@ -607,3 +608,15 @@ def test_a_keeper_inside_an_xla_step_keras_built_grows_between_steps():
     assert keeper.missed == 1
     assert [k.step for k in keeper.kept] == [1, 3]
     np.testing.assert_array_equal(keeper.kept[0].batch[0], x[8:16])
+
+
+def test_a_loss_in_its_own_float16_dtype_is_named_as_such():
+    model = loss_model()
+    x, y = loss_data(8)
+    diagnosis = tfmixprec.explain_overflow(model, (x, y))
+    assert (diagnosis.cause, diagnosis.layer) == ("loss-overflow", None)
+    assert diagnosis.message == (
+        "the predictions are finite but the loss is not (inf): it computes in float16, its own "
+        "dtype (a keras.losses.Loss built with dtype='float16'), and overflows by itself. Build "
+        "it with dtype='float32' (calibrate and PrecisionRepair set it so)."
+    )

@@ -39,6 +39,7 @@ from tfmixprec._common.layers import all_layers, compiled_loss, layer_names, mar
 from tfmixprec._common.text import docs_page
 from tfmixprec._common.validate import check_int_at_least_one
 from tfmixprec._keras.fit import make_train_function
+from tfmixprec._keras.losses import loss_dtype, set_loss_dtype
 from tfmixprec.fit.overflow_batches import keep_for_callbacks, stop_keeping_for_callbacks
 from tfmixprec.fit.reader import FitReader
 from tfmixprec.precision.float8 import is_float8
@@ -54,7 +55,15 @@ from tfmixprec.scaling.loss_scale import format_scale
 
 __all__ = ["PrecisionRepair", "Repair"]
 
-_CAUSES = ("bad-data", "not-precision", "forward-overflow", "near-overflow", "backward-overflow")
+# Causes that move nothing first (the first seen on any worker wins), then those repaired.
+_CAUSES = (
+    "bad-data",
+    "not-precision",
+    "loss-overflow",
+    "forward-overflow",
+    "near-overflow",
+    "backward-overflow",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +73,10 @@ class Repair:
     Attributes:
         step: Int. The overflow step replayed (0-based, skipped steps counted).
         layers: Tuple of strings. The paths of the layers moved to float32 (empty: none).
-        cause: String. `"forward-overflow"` or `"backward-overflow"` (repaired),
-            `"bad-data"` or `"not-precision"` (not repaired).
+        cause: String. `"forward-overflow"`, `"near-overflow"` or `"backward-overflow"`
+            (repaired), `"loss-overflow"` (the loss overflows by itself: repaired where its
+            `keras.losses.Loss` computes in float16 or bfloat16 by its own dtype, which moves
+            to float32), `"bad-data"` or `"not-precision"` (not repaired).
         message: String. What was found, in a sentence.
         loss_scale: Float. For a repair, the scale training goes on at: the largest the
             replay verifies finite with the layers moved (as `calibrate`'s `initial_scale`);
@@ -75,6 +86,8 @@ class Repair:
             float32 and keep their float8 quantization (`float8_from_float32`). Keras
             cannot take a float8 layer back to its float16 policy in a `fit`: its float8
             variables would stay on it, and the saved model would not load.
+        float32_loss: Bool. Whether the compiled loss now computes in float32 (its dtype was
+            float16 or bfloat16, and it overflowed by itself).
     """
 
     step: int
@@ -83,14 +96,16 @@ class Repair:
     message: str
     loss_scale: float = 0.0
     float8: tuple[str, ...] = ()
+    float32_loss: bool = False
 
     @property
     def repaired(self) -> bool:
-        return bool(self.layers)
+        return bool(self.layers) or self.float32_loss
 
     def to_markdown(self) -> str:
         """The line and the layers, for TensorBoard's Text tab."""
         rows = [f"- `{layer}`{self._float8_note(layer)}" for layer in self.layers]
+        rows += ["- the loss"] if self.float32_loss else []
         return "\n".join([f"**step {self.step}**: {self.line()}", "", *rows])
 
     def _float8_note(self, layer: str) -> str:
@@ -99,8 +114,10 @@ class Repair:
     def line(self) -> str:
         if not self.repaired:
             return f"not repaired ({self.cause}): {self.message}"
-        names = ", ".join(f"{layer!r}{self._float8_note(layer)}" for layer in self.layers)
-        line = f"{names} now compute in float32 ({self.cause}: {self.message})"
+        names = [f"{layer!r}{self._float8_note(layer)}" for layer in self.layers]
+        names += ["the loss"] if self.float32_loss else []
+        verb = "computes" if names == ["the loss"] else "compute"
+        line = f"{', '.join(names)} now {verb} in float32 ({self.cause}: {self.message})"
         if self.loss_scale > 0:  # 0: a fixed scale, left as it was
             line += f"; the loss scale goes on from {format_scale(self.loss_scale)}"
         return line
@@ -249,19 +266,23 @@ class PrecisionRepair(keras.callbacks.Callback):
         found = _agreed(self.model, _replayed(replayer, step))
         layers = [layer for layer, _ in found.layers]
         # The scale to go on at, with the agreed layers, on every worker's batches: the least.
-        scale = _least(self.model, _scale_with(replayer, layers, step) if layers else 0.0)
+        fixed = layers or found.loss is not None  # with the loss in float32: the replayer's
+        scale = _least(self.model, _scale_with(replayer, layers, step) if fixed else 0.0)
         if found.cause == "none":
             return  # the scaled gradients overflowed: the dynamic scale absorbs it
         keys = layer_names(self.model)
-        message = found.problem or f"{keys[id(layers[0])]!r}: {found.layers[0][1]}"
+        message = found.problem or found.loss or f"{keys[id(layers[0])]!r}: {found.layers[0][1]}"
         names = tuple(keys[id(layer)] for layer in layers)
         float8 = tuple(keys[id(layer)] for layer in layers if is_float8(layer))
         dynamic = self._reader.optimizer.dynamic  # a fixed scale is left as it is
-        scale = scale if layers and dynamic else 0.0
-        judgment = Repair(step, names, found.cause, message, scale, float8)
+        scale = scale if (layers or found.loss) and dynamic else 0.0
+        loss = found.loss is not None and loss_dtype(self._loss_fn) is not None
+        judgment = Repair(step, names, found.cause, message, scale, float8, loss)
         self.judgments.append(judgment)
         if judgment.repaired:
-            recorded = move_to_float32(self.model, layers)
+            if loss:  # the compiled loss is this object: Keras calls it as it is
+                set_loss_dtype(self._loss_fn, "float32")
+            recorded = move_to_float32(self.model, layers) if layers else True
             reason = f"PrecisionRepair at step {step} ({judgment.cause})"
             mark_float32(self.model, {layer: reason for layer in judgment.layers})
             if judgment.loss_scale > 0:
@@ -329,22 +350,24 @@ def _agreed_verdict(model: Any, strategy: Any, found: Float32Set) -> Float32Set:
     everything = all_layers(model)
     chosen = {id(layer) for layer, _ in found.layers}
     votes = [float(found.cause == cause) for cause in _CAUSES]
+    votes += [float(found.problem is not None), float(found.loss is not None)]
     votes += [float(id(layer) in chosen) for layer in everything]
     local = tf.constant(votes, tf.float32)
     total = strategy.reduce("SUM", strategy.run(lambda: tf.identity(local)), axis=None)
     total = np.asarray(total) > 0
+    n = len(_CAUSES)
     why = dict((id(layer), reason) for layer, reason in found.layers)
     layers = tuple(
         (layer, why.get(id(layer), "needed for another worker's batch"))
-        for layer, wanted in zip(everything, total[len(_CAUSES) :])
+        for layer, wanted in zip(everything, total[n + 2 :])
         if wanted
     )
-    for index, cause in enumerate(_CAUSES[:2]):  # bad data, then not-precision, wins
-        if total[index]:
-            problem = found.problem if found.cause == cause else "seen on another worker"
-            return Float32Set((), cause, problem)
-    cause = next((c for c, seen in zip(_CAUSES[2:], total[2 : len(_CAUSES)]) if seen), "none")
-    return Float32Set(layers, cause, None)
+    seen = [cause for cause, anywhere in zip(_CAUSES, total[:n]) if anywhere]
+    if total[n]:  # a problem on a worker: nothing moves anywhere (bad data first)
+        problem = found.problem if found.cause == seen[0] else "seen on another worker"
+        return Float32Set((), seen[0], problem)
+    loss = found.loss or ("needed for another worker's batch" if total[n + 1] else None)
+    return Float32Set(layers, seen[0] if seen else "none", None, loss)
 
 
 def _workers(strategy: Any) -> int:

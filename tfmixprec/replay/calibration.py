@@ -51,6 +51,7 @@ from tfmixprec._common.layers import (
     all_layers,
     check_built_model,
     compiled_loss,
+    forget_traced_functions,
     iter_layers,
     layer_names,
     mark_float32,
@@ -60,8 +61,9 @@ from tfmixprec._common.observe import policies_swapped
 from tfmixprec._common.text import docs_page, jsonable, markdown_table
 from tfmixprec._common.validate import check_bool, check_int_at_least_one
 from tfmixprec._keras.graph import all_sublayers
+from tfmixprec._keras.losses import loss_dtype, loss_in, set_loss_dtype
 from tfmixprec.precision.float8 import is_float8
-from tfmixprec.precision.policy import PolicyChange, compute_in_float32
+from tfmixprec.precision.policy import LOW_PRECISION, PolicyChange, compute_in_float32
 from tfmixprec.replay.engine import TRAINING, bad_data, computes_in, replay
 from tfmixprec.scaling.gradient_range import gradient_range_stats
 from tfmixprec.scaling.loss_scale import LossScaleConfig, format_scale
@@ -164,14 +166,21 @@ class Replayer:
         self._float32: dict[int, tuple[_Run, ...]] = {}
 
     def run(
-        self, batch: tuple, scale: float, float32: Sequence[Any] = (), plain: bool = False
+        self,
+        batch: tuple,
+        scale: float,
+        float32: Sequence[Any] = (),
+        plain: bool = False,
+        loss_fn: Callable | None = None,
     ) -> _Run:
         """One replay with `float32` in float32 (`float32_swapped`; `plain`: float8 layers
-        without their quantization too), float8 layers differentiated eagerly."""
+        without their quantization too), float8 layers differentiated eagerly; with
+        `loss_fn` in place of the replayer's loss when given."""
         calls: list[_Call] = []
         record = lambda layer, args, result: calls.append(_call(layer, args, result))  # noqa: E731
+        loss_fn = self.loss_fn if loss_fn is None else loss_fn
         with float32_swapped(list(float32), plain):
-            done = replay(self.model, batch, self.loss_fn, scale, record, training=self.training)
+            done = replay(self.model, batch, loss_fn, scale, record, training=self.training)
         return _Run(tuple(calls), done.loss, done.grads)
 
     def all_runs(self, scale: float, float32: Sequence[Any] = ()) -> list[_Run]:
@@ -244,16 +253,22 @@ class Float32Set:
     Attributes:
         layers: Tuple of `(layer, why)`, in the order they were found.
         cause: String. `"none"` (nothing overflows), `"forward-overflow"`,
-            `"near-overflow"` (values within `HEADROOM` of the range, none past it) or
-            `"backward-overflow"` (the first the set fixes), `"bad-data"` (NaN/Inf in the
-            batch), or `"not-precision"` (not finite even in float32, or an operation outside
-            any layer; `layers` is then empty: nothing is moved).
+            `"near-overflow"` (values within `HEADROOM` of the range, none past it),
+            `"backward-overflow"` or `"loss-overflow"` (the layers' outputs are finite, the
+            loss is not: the first the set fixes), `"bad-data"` (NaN/Inf in the batch), or
+            `"not-precision"` (not finite even in float32, or an operation outside any
+            layer; `layers` is then empty: nothing is moved). A `"loss-overflow"` that
+            computing the loss in float32 does not fix has `problem` too, and moves nothing.
         problem: String or None. What the set cannot fix, in a sentence.
+        loss: String or None. Why the loss must compute in float32 (a `keras.losses.Loss`
+            built with a float16 or bfloat16 dtype that overflows by itself), or None: the
+            loss stays as it is.
     """
 
     layers: tuple[tuple[Any, str], ...]
     cause: str
     problem: str | None
+    loss: str | None = None
 
 
 def float32_set(replayer: Replayer) -> Float32Set:
@@ -266,21 +281,27 @@ def float32_set(replayer: Replayer) -> Float32Set:
             return Float32Set((), "bad-data", bad)
     model = replayer.model
     chosen: dict[int, tuple[Any, str]] = {}
-    cause = "none"
-    for _ in range(len(iter_layers(model)) + 1):
+    cause, loss = "none", None
+    for _ in range(len(iter_layers(model)) + 2):
         found = _next_fix(replayer, [layer for layer, _ in chosen.values()])
         if found is None:
             break
         kind, fix = found
         if isinstance(fix, str):  # nothing is moved: the layers found so far do not fix it
-            return Float32Set((), "not-precision", fix)
+            return Float32Set(
+                (), "loss-overflow" if kind == "loss-overflow" else "not-precision", fix
+            )
+        if kind == "loss-overflow":  # the replays go on with the loss in float32
+            replayer.loss_fn, loss = fix
+            cause = kind if cause == "none" else cause
+            continue
         fix = _runnable(replayer, [layer for layer, _ in chosen.values()], fix)
         if isinstance(fix, str):
             return Float32Set((), "not-precision", fix)
         cause = kind if cause == "none" else cause
         for layer, why in fix:
             chosen.setdefault(id(layer), (layer, why))
-    return Float32Set(tuple(_prune(replayer, list(chosen.values()))), cause, None)
+    return Float32Set(tuple(_prune(replayer, list(chosen.values()))), cause, None, loss)
 
 
 def _runnable(replayer: Replayer, chosen: list[Any], fix: list[tuple[Any, str]]) -> Any:
@@ -310,9 +331,41 @@ def _next_fix(replayer: Replayer, chosen: list[Any]) -> tuple[str, Any] | None:
             overflows = bool(run.calls[run.first_bad].bad)  # else within the headroom only
             kind = "forward-overflow" if overflows else "near-overflow"
             return kind, _forward_fix(replayer, index, run, chosen)
+        if not math.isfinite(run.loss):
+            return "loss-overflow", _loss_fix(replayer, index, run, chosen)
         if not run.grads_finite:
             return "backward-overflow", _backward_fix(replayer, index, run, chosen)
     return None
+
+
+def _loss_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) -> Any:
+    """Every layer's output is finite and the loss is not: `(the loss in float32, why)` for a
+    `keras.losses.Loss` whose own dtype is float16 or bfloat16 and that float32 makes finite,
+    else what computing layers in float32 cannot fix, in a sentence."""
+    loss, dtype = replayer.loss_fn, loss_dtype(replayer.loss_fn)
+    value = f"{run.loss:g}"
+    if dtype in LOW_PRECISION:
+        in_float32 = loss_in(loss, "float32")
+        trial = replayer.run(replayer.batches[index], 1.0, chosen, loss_fn=in_float32)
+        if math.isfinite(trial.loss):
+            why = (
+                f"the loss overflows in {dtype}: it computes in its own dtype ({dtype}) and is "
+                f"{value} on outputs that are finite, {trial.loss:.4g} in float32"
+            )
+            return in_float32, why
+    if math.isfinite(replayer.in_float32(index).loss):
+        return (
+            f"the loss overflows in float16: it is {value} on finite outputs, and finite with "
+            "every layer in float32. It computes in the outputs' dtype: compute it in float32 "
+            "(a float32 output layer, tfmixprec.float32_outputs(model), or cast y_pred to "
+            "float32 in the loss)."
+        )
+    return (
+        f"the loss overflows by itself: it is {value} on finite outputs, even with every layer "
+        "in float32. Its own code computes in float16 (a Loss built with dtype='float16', or a "
+        "cast inside it), or the labels are out of range: compute it in float32 and check the "
+        "labels."
+    )
 
 
 def _limit(dtype: str) -> str:
@@ -463,6 +516,9 @@ class CalibrationReport:
         keras_start_skips: Int or None. The same for a start at 2^15, Keras's default.
         batches: Int. The batches replayed.
         layers: Tuple of `LayerCalibration`, one per leaf layer in the order they ran.
+        float32_loss: String or None. Why the loss must compute in float32 (cause
+            `"loss-overflow"`: a `keras.losses.Loss` built with a float16 or bfloat16 dtype
+            that overflows by itself; `apply` sets the compiled loss's dtype), or None.
     """
 
     initial_scale: float
@@ -475,10 +531,12 @@ class CalibrationReport:
     keras_start_skips: int | None
     batches: int
     layers: tuple[LayerCalibration, ...]
+    float32_loss: str | None = None
 
     def apply(self, model: keras.Model, set_scale: bool = True) -> list[PolicyChange]:
-        """Makes `float32_layers` of `model` compute in float32 and starts its optimizer's
-        loss scale at `initial_scale`. Everything is checked before anything changes.
+        """Makes `float32_layers` of `model` compute in float32 (and its compiled loss, where
+        `float32_loss` says so) and starts its optimizer's loss scale at `initial_scale`.
+        Everything is checked before anything changes.
 
         Args:
             model: `keras.Model`. The model calibrated (its layers are found by path).
@@ -486,15 +544,18 @@ class CalibrationReport:
                 tfmixprec or Keras `LossScaleOptimizer` that has not taken a step yet).
 
         Returns:
-            List of `PolicyChange(layer, old, new, why)`: one per layer changed, and one
-            named `"loss_scale"` for the optimizer's starting scale.
+            List of `PolicyChange(layer, old, new, why)`: one per layer changed, one named
+            `"loss"` for the compiled loss's dtype, and one named `"loss_scale"` for the
+            optimizer's starting scale.
 
         Raises:
-            ValueError: If a layer of the report is not in `model`, or `set_scale` is True
-                and the optimizer has taken steps already.
+            ValueError: If a layer of the report is not in `model`, the report computes the
+                loss in float32 and the model's compiled loss is no `keras.losses.Loss`, or
+                `set_scale` is True and the optimizer has taken steps already.
         """
         check_bool("set_scale", set_scale)
         layers = self._layers_of(model)
+        loss = self._loss_of(model)
         restart = _scale_setter(model, self.initial_scale) if set_scale else None
         changes = [
             PolicyChange(path, layer.dtype_policy.name, float32_policy(layer).name, why)
@@ -503,11 +564,28 @@ class CalibrationReport:
         ]
         recorded = move_to_float32(model, layers) if changes else True
         mark_float32(model, {c.layer: f"calibrate: {c.why}" for c in changes})
+        if loss is not None and loss_dtype(loss) != "float32":
+            changes.append(PolicyChange("loss", loss_dtype(loss), "float32", self.float32_loss))
+            set_loss_dtype(loss, "float32")
+            forget_traced_functions(model)
         if restart is not None:
             changes.append(restart())
         if not recorded:  # last: a warning turned error leaves nothing half-done
             warn_not_recorded(model, "calibrate", self.float32_layers)
         return changes
+
+    def _loss_of(self, model: keras.Model) -> Any:
+        """The compiled loss whose dtype `apply` sets (None: the report leaves the loss)."""
+        if self.float32_loss is None:
+            return None
+        loss = getattr(model, "loss", None)
+        if loss_dtype(loss) is None:
+            raise ValueError(
+                f"apply computes the loss in float32, but model {model.name!r} is compiled "
+                f"with loss={loss!r}, which has no dtype of its own to set. Compile it with "
+                "a keras.losses.Loss built with dtype='float32'."
+            )
+        return loss
 
     def _layers_of(self, model: keras.Model) -> list[Any]:
         keys = layer_names(model)
@@ -563,7 +641,10 @@ class CalibrationReport:
             lines.append(f"float32_layers ({self.cause}):")
             lines += [f"  {p}: {why}" for p, why in zip(self.float32_layers, self.reasons)]
         else:
-            lines.append("float32_layers: none (nothing overflows in these batches)")
+            none = " (nothing overflows in these batches)" if self.cause == "none" else ""
+            lines.append(f"float32_layers: none{none}")
+        if self.float32_loss is not None:
+            lines.append(f"float32_loss: {self.float32_loss}")
         if self.problem is not None:
             lines.append(f"not fixed by float32 layers ({self.cause}): {self.problem}")
         return "\n".join(lines)
@@ -754,6 +835,7 @@ def calibrate(
         keras_start_skips=keras_skips,
         batches=len(batches),
         layers=tuple(_layer_rows(replayer, reference, scale)) if reference else (),
+        float32_loss=found.loss,
     )
 
 

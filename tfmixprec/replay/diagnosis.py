@@ -51,6 +51,7 @@ from tfmixprec._common.layers import (
 from tfmixprec._common.observe import policies_swapped
 from tfmixprec._common.text import jsonable, markdown_table
 from tfmixprec._common.validate import check_float32_scale
+from tfmixprec._keras.losses import loss_dtype
 from tfmixprec.precision import float8_recipe
 from tfmixprec.precision.float8 import gradient_watched, is_float8
 from tfmixprec.precision.float8_recipe import (
@@ -468,6 +469,23 @@ def _verdict(cause: str, layer: str | None, message: str) -> OverflowDiagnosis:
     return OverflowDiagnosis(cause, layer, message, 0.0, math.nan, math.nan, None, None, 0.0, ())
 
 
+def _own_dtype_loss(verdict: OverflowDiagnosis, run: _Pass, loss_fn: Any) -> OverflowDiagnosis:
+    """`verdict`, or where the loss is not finite and computes in float16 or bfloat16 by its
+    own dtype (a `keras.losses.Loss` built so), a verdict that says so."""
+    dtype = loss_dtype(loss_fn)
+    if verdict.cause != "loss-overflow" or dtype not in ("float16", "bfloat16"):
+        return verdict
+    if math.isfinite(run.loss):
+        return verdict  # the loss times the scale: the scale's
+    message = (
+        f"the predictions are finite but the loss is not ({run.loss:.6g}): it computes in "
+        f"{dtype}, its own dtype (a keras.losses.Loss built with dtype={dtype!r}), and "
+        "overflows by itself. Build it with dtype='float32' (calibrate and PrecisionRepair "
+        "set it so)."
+    )
+    return _verdict("loss-overflow", None, message)
+
+
 def _classify(
     run: _Pass, run32: _Pass, rows: list[LayerReplay], replay: Callable, scale: float
 ) -> OverflowDiagnosis:
@@ -587,7 +605,7 @@ def explain_overflow(
     run = replay(scale)
     run32 = _in_float32(model, lambda: replay(scale))
     rows = _layer_rows(model, run, run32)
-    verdict = _classify(run, run32, rows, replay, scale)
+    verdict = _own_dtype_loss(_classify(run, run32, rows, replay, scale), run, loss_fn)
     underflow = gradient_range_stats([g for g in run32.grads if g is not None]).underflow_fraction
     if verdict.cause == "none" and underflow >= UNDERFLOW_SHARE and computes_in(model, "float16"):
         verdict = _verdict(
