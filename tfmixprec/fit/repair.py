@@ -60,6 +60,7 @@ _CAUSES = (
     "bad-data",
     "not-precision",
     "loss-overflow",
+    "model-code",
     "forward-overflow",
     "near-overflow",
     "backward-overflow",

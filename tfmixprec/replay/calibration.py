@@ -64,6 +64,7 @@ from tfmixprec._keras.graph import all_sublayers
 from tfmixprec._keras.losses import loss_dtype, loss_in, set_loss_dtype
 from tfmixprec.precision.float8 import is_float8
 from tfmixprec.precision.policy import LOW_PRECISION, PolicyChange, compute_in_float32
+from tfmixprec.replay.clash import DtypeClash, DtypeClashError
 from tfmixprec.replay.engine import TRAINING, bad_data, computes_in, replay
 from tfmixprec.scaling.gradient_range import gradient_range_stats
 from tfmixprec.scaling.loss_scale import LossScaleConfig, format_scale
@@ -288,9 +289,8 @@ def float32_set(replayer: Replayer) -> Float32Set:
             break
         kind, fix = found
         if isinstance(fix, str):  # nothing is moved: the layers found so far do not fix it
-            return Float32Set(
-                (), "loss-overflow" if kind == "loss-overflow" else "not-precision", fix
-            )
+            named = kind in ("loss-overflow", "model-code")  # else not the precision's
+            return Float32Set((), kind if named else "not-precision", fix)
         if kind == "loss-overflow":  # the replays go on with the loss in float32
             replayer.loss_fn, loss = fix
             cause = kind if cause == "none" else cause
@@ -326,7 +326,10 @@ def _next_fix(replayer: Replayer, chosen: list[Any]) -> tuple[str, Any] | None:
     """The next layers to add, as `(cause, [(layer, why), ...])`, or `(cause, problem)` for
     what float32 layers cannot fix, or None when every batch is finite."""
     for index, batch in enumerate(replayer.batches):
-        run = replayer.run(batch, 1.0, chosen)
+        try:
+            run = replayer.run(batch, 1.0, chosen)
+        except DtypeClashError as err:
+            return "model-code", _clash_fix(replayer, index, chosen, err.clash)
         if run.first_bad is not None:
             overflows = bool(run.calls[run.first_bad].bad)  # else within the headroom only
             kind = "forward-overflow" if overflows else "near-overflow"
@@ -336,6 +339,39 @@ def _next_fix(replayer: Replayer, chosen: list[Any]) -> tuple[str, Any] | None:
         if not run.grads_finite:
             return "backward-overflow", _backward_fix(replayer, index, run, chosen)
     return None
+
+
+def _clash_fix(replayer: Replayer, index: int, chosen: list[Any], clash: DtypeClash) -> Any:
+    """The fewest layers whose float32 lets the call get past `clash` (each leaf inside the
+    raising layer alone, then the layer with its sublayers, then each layer around it), as
+    `[(layer, why), ...]`, or what no float32 layer fixes, in a sentence."""
+    layer = clash.layer
+    if layer is None:
+        return f"{clash.describe()}, in no layer Keras named: cast the tensor in that code."
+    leaves = [part for part in all_sublayers(layer) if not all_sublayers(part)]
+    candidates = [[leaf] for leaf in leaves] + [
+        [outer, *all_sublayers(outer)] for outer in [layer, *_enclosing(replayer.model, layer)]
+    ]
+    for parts in candidates:
+        if _gets_past(replayer, index, [*chosen, *parts], layer):
+            why = f"{clash.describe()}; with it in float32 the call runs"
+            return [(part, why) for part in parts]
+    return (
+        f"{clash.describe()}, and no layer in float32 lets the call run: cast the tensor in "
+        "that code."
+    )
+
+
+def _gets_past(replayer: Replayer, index: int, float32: list[Any], layer: Any) -> bool:
+    """Whether batch `index` runs with `float32` in float32, or fails on a dtype clash in
+    another layer than `layer` (a later block, which the next fix takes)."""
+    try:
+        replayer.run(replayer.batches[index], 1.0, float32)
+    except DtypeClashError as err:
+        return err.clash.layer is not None and err.clash.layer is not layer
+    except (tf.errors.OpError, TypeError, ValueError):
+        return False
+    return True
 
 
 def _loss_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) -> Any:
@@ -834,7 +870,7 @@ def calibrate(
         start_skips=skips,
         keras_start_skips=keras_skips,
         batches=len(batches),
-        layers=tuple(_layer_rows(replayer, reference, scale)) if reference else (),
+        layers=tuple(_layer_rows(replayer, reference, scale, layers)) if reference else (),
         float32_loss=found.loss,
     )
 
@@ -910,10 +946,16 @@ def _skips(replayer: Replayer, layers: list[Any], start: float) -> int | None:
     return high
 
 
-def _layer_rows(replayer: Replayer, reference: list[_Run], scale: float) -> list[LayerCalibration]:
-    """One row a leaf layer: its outputs as the model is and in float32, its gradients."""
+def _layer_rows(
+    replayer: Replayer, reference: list[_Run], scale: float, layers: list[Any]
+) -> list[LayerCalibration]:
+    """One row a leaf layer: its outputs as the model is (with `layers` in float32 where the
+    model's own code cannot run as it is: `clash.DtypeClash`) and in float32, its gradients."""
     model = replayer.model
-    as_is = replayer.all_runs(1.0)
+    try:
+        as_is = replayer.all_runs(1.0)
+    except DtypeClashError:
+        as_is = replayer.all_runs(1.0, layers)
     outputs: dict[int, list] = {}
     for run, run32 in zip(as_is, reference):
         for call, call32 in zip(run.calls, run32.calls):

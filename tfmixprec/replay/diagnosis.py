@@ -6,6 +6,10 @@ batch normalization on the batch's statistics, dropout on), with the model's sta
 and changes no weight, statistic, optimizer slot or loss scale. It looks, in this order, for:
 
 - `bad-data`: NaN/Inf already in the inputs, labels or sample weights;
+- `model-code`: the model's call fails because its own code mixes dtypes (a tensor cast to
+  float32 by hand times one computed in float16: `clash.DtypeClash`), named with the layer,
+  the operation and the line; no value overflowed, and `calibrate` finds the layers whose
+  float32 makes the call run;
 - `forward-overflow`: the first layer (in the order the forward pass runs them) whose output
   is not finite although its inputs are: its activations exceed the compute dtype's range
   (65504 for float16). A second replay in float32 says how large they are and whether the
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +57,7 @@ from tfmixprec._common.observe import policies_swapped
 from tfmixprec._common.text import jsonable, markdown_table
 from tfmixprec._common.validate import check_float32_scale
 from tfmixprec._keras.losses import loss_dtype
+from tfmixprec._keras.op_watch import first_nonfinite_op
 from tfmixprec.precision import float8_recipe
 from tfmixprec.precision.float8 import gradient_watched, is_float8
 from tfmixprec.precision.float8_recipe import (
@@ -60,6 +66,7 @@ from tfmixprec.precision.float8_recipe import (
     percent,
     quantization_counts,
 )
+from tfmixprec.replay.clash import DtypeClash, DtypeClashError
 from tfmixprec.replay.engine import bad_data, computes_in, replay
 from tfmixprec.scaling.gradient_range import gradient_range_stats
 from tfmixprec.scaling.loss_scale import format_scale
@@ -72,7 +79,15 @@ __all__ = [
     "explain_overflow",
 ]
 
-CAUSES = ("bad-data", "forward-overflow", "loss-overflow", "backward-overflow", "underflow", "none")
+CAUSES = (
+    "bad-data",
+    "model-code",
+    "forward-overflow",
+    "loss-overflow",
+    "backward-overflow",
+    "underflow",
+    "none",
+)
 UNDERFLOW_SHARE = 0.01  # at least this share of gradients flushing to zero is worth a word
 _MAX_HALVINGS = 40
 
@@ -403,6 +418,13 @@ def _forward_advice(dtype: str, float32_max: float, float8: bool = False) -> str
     )
 
 
+# The guess above, which the first operation that was not finite (`_with_operation`)
+# replaces where a constant too large for the dtype caused it.
+_INSIDE_GUESS = re.compile(
+    r"a value inside it passes \S+ \S+ \(attention logits or a long sum, say\)"
+)
+
+
 def _input_advice(dtype: str, input_max: float) -> str:
     """Why a layer's inputs were not finite although no layer before it made a NaN/Inf."""
     limit = DTYPE_MAX.get(dtype, math.inf)
@@ -467,6 +489,54 @@ def _halvings(replay: Callable[[float], _Pass], scale: float) -> tuple[int | Non
 def _verdict(cause: str, layer: str | None, message: str) -> OverflowDiagnosis:
     """A diagnosis with only the verdict filled in (`explain_overflow` adds the numbers)."""
     return OverflowDiagnosis(cause, layer, message, 0.0, math.nan, math.nan, None, None, 0.0, ())
+
+
+def _with_operation(
+    verdict: OverflowDiagnosis, replay: Callable, scale: float
+) -> OverflowDiagnosis:
+    """A forward overflow that a constant of the model's own code caused, too large for the
+    compute dtype (T5's mask bias of -1e9): the verdict names the operation and its line
+    (`_keras.op_watch`) in place of the guess. Values past the range keep their verdict."""
+    if verdict.cause != "forward-overflow":
+        return verdict
+    found = first_nonfinite_op(lambda: replay(scale))
+    if found is None or not found.constant:
+        return verdict
+    at = f" at {found.where}" if found.where else ""
+    said = (
+        f" The first {found.dtype} operation that is not finite is {found.operation}{at}: one "
+        f"of its inputs is a constant too large for {found.dtype}, so it is the model's own "
+        f"code, not {found.dtype}'s range of its values. Compute that layer in float32, or "
+        f"use a constant {found.dtype} holds."
+    )
+    message = _INSIDE_GUESS.sub("a value inside it is not finite", verdict.message)
+    return dataclasses.replace(verdict, message=message + said)
+
+
+def _underflow(
+    model: keras.Model, verdict: OverflowDiagnosis, underflow: float, scale: float
+) -> OverflowDiagnosis:
+    """`verdict`, or `underflow` where nothing overflows but a share of the gradients flushes
+    to zero in float16."""
+    if verdict.cause != "none" or underflow < UNDERFLOW_SHARE or not computes_in(model, "float16"):
+        return verdict
+    return _verdict(
+        "underflow",
+        None,
+        f"{underflow:.1%} of the gradients times {format_scale(scale)} are below 2^-24 and "
+        "flush to zero in float16; a larger loss scale (or dynamic scaling) keeps them.",
+    )
+
+
+def _model_code(model: keras.Model, clash: DtypeClash) -> OverflowDiagnosis:
+    """The verdict on a call that fails because the model's own code mixes dtypes."""
+    layer = None if clash.layer is None else layer_names(model, short=True)[id(clash.layer)]
+    message = (
+        f"{clash.describe()}: not float16's range, the model's own code. Computing the layers "
+        "around that operation in float32 lets it run (tfmixprec.calibrate(model, data) finds "
+        "the fewest), or cast the tensor in that code."
+    )
+    return _verdict("model-code", layer, message)
 
 
 def _own_dtype_loss(verdict: OverflowDiagnosis, run: _Pass, loss_fn: Any) -> OverflowDiagnosis:
@@ -602,18 +672,15 @@ def explain_overflow(
     if bad is not None:
         return dataclasses.replace(_verdict("bad-data", None, bad), loss_scale=scale)
     replay = lambda s: _replay(model, data, loss_fn, s)  # noqa: E731
-    run = replay(scale)
+    try:
+        run = replay(scale)
+    except DtypeClashError as err:
+        return dataclasses.replace(_model_code(model, err.clash), loss_scale=scale)
     run32 = _in_float32(model, lambda: replay(scale))
     rows = _layer_rows(model, run, run32)
     verdict = _own_dtype_loss(_classify(run, run32, rows, replay, scale), run, loss_fn)
     underflow = gradient_range_stats([g for g in run32.grads if g is not None]).underflow_fraction
-    if verdict.cause == "none" and underflow >= UNDERFLOW_SHARE and computes_in(model, "float16"):
-        verdict = _verdict(
-            "underflow",
-            None,
-            f"{underflow:.1%} of the gradients times {format_scale(scale)} are below 2^-24 and "
-            "flush to zero in float16; a larger loss scale (or dynamic scaling) keeps them.",
-        )
+    verdict = _with_operation(_underflow(model, verdict, underflow, scale), replay, scale)
     return dataclasses.replace(
         _with_float8(verdict, run.float8.records(run.names)),
         loss_scale=scale,

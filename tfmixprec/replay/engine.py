@@ -42,6 +42,7 @@ from tfmixprec._common.layers import all_layers, iter_layers, loss_value, watch_
 from tfmixprec._common.observe import state_put_back
 from tfmixprec._common.validate import check_bool
 from tfmixprec._keras.float8 import float8_replayed
+from tfmixprec.replay.clash import DtypeClashError, clash_of
 from tfmixprec.scaling.loss_scale import multiply
 
 __all__ = []
@@ -101,18 +102,39 @@ def replay(
 
     Raises:
         TypeError: If `training` is not True or False.
+        DtypeClashError: If the model's call fails because its own code mixes dtypes
+            (`clash.DtypeClash`).
     """
     training = check_bool("training", training)
     x, y, sample_weight = batch
     seen, output = float8 if float8 is not None else (lambda *_: None, _no_float8_output)
-    watch = watch_leaf_calls(model, record or (lambda *_: None))
+    called: list[Any] = []
+
+    def note(layer: Any, args: tuple, result: Any) -> None:
+        called.append(layer)
+        if record is not None:
+            record(layer, args, result)
+
+    watch = watch_leaf_calls(model, note)
     with state_put_back(model), watch, float8_replayed(iter_layers(model), seen, output):
         with tf.GradientTape() as tape:
-            y_pred = model(x, training=training)
+            y_pred = _called(model, x, training, called)
             loss = loss_value(loss_fn, y, y_pred, sample_weight)
             scaled = multiply(loss, scale)
         grads = tape.gradient(scaled, model.trainable_variables)
     return Replay(y_pred, float(loss.numpy()), tuple(grads))
+
+
+def _called(model: keras.Model, x: Any, training: bool, called: list[Any]) -> Any:
+    """`model(x, training=training)`; a call that fails because the model's own code mixes
+    dtypes raises `DtypeClashError` (`clash.clash_of`), other errors as they are."""
+    try:
+        return model(x, training=training)
+    except (tf.errors.InvalidArgumentError, TypeError) as err:
+        clash = clash_of(err, model, called)
+        if clash is None:
+            raise
+        raise DtypeClashError(clash) from err
 
 
 def computes_in(layer: Any, dtype: str) -> bool:

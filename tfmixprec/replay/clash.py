@@ -1,0 +1,125 @@
+"""When a model's own code mixes dtypes: the layer, the operation and the line.
+
+Some models fail under a mixed policy before any value overflows: their code casts one
+tensor to float32 by hand and multiplies it by one the policy computes in float16 (KerasHub's
+MoE decoders do, in the load-balancing loss of their sparse MoE block, in training calls
+only). TensorFlow does not promote dtypes, so the operation raises: an `InvalidArgumentError`
+eagerly ("cannot compute Mul as input #1(zero-based) was expected to be a half tensor but is a
+float tensor [Op:Mul]"), a `TypeError` while tracing ("Input 'y' of 'Mul' Op has type float32
+that does not match type float16 of argument 'x'"). Keras names the layer whose call raised
+("Exception encountered when calling MixtralSparseMoeBlock.call()").
+
+`clash_of` reads those into a `DtypeClash`: the layer (the innermost one of that class around
+the last leaf call that finished), the operation, the two dtypes, and the line of the model's
+own code (the deepest frame outside TensorFlow, Keras and tfmixprec). A replay that meets one
+raises `DtypeClashError`, which `explain_overflow` names as cause `model-code` and `calibrate`
+and `PrecisionRepair` try to fix with the fewest layers in float32.
+
+Private: shared with `engine`, `diagnosis` and `calibration`."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from tfmixprec._common.layers import all_layers
+from tfmixprec._keras.graph import all_sublayers
+
+__all__: list[str] = []  # private module: nothing here is part of the package's API
+
+_EAGER = re.compile(r"expected to be a (\w+) tensor but is a (\w+) tensor \[Op:(\w+)\]")
+_TRACED = re.compile(r"of '(\w+)' Op has type (\w+) that does not match type (\w+)")
+_CALLING = re.compile(r"Exception encountered when calling (\w+)\.call\(\)")
+_NAMES = {"half": "float16", "float": "float32", "double": "float64", "bfloat16": "bfloat16"}
+# Frames of these packages are the machinery; the model's own code is the deepest other one.
+_MACHINERY = ("/tensorflow/", "/keras/src/", "/tfmixprec/", "/tf_keras/", "/absl/")
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeClash:
+    """An operation of a model's own code that mixes two dtypes.
+
+    Attributes:
+        layer: The layer whose call raised (None where Keras named no layer).
+        operation: String. The TensorFlow operation (`"Mul"`).
+        dtypes: Tuple of two strings. The dtypes it was given (`("float16", "float32")`).
+        where: String. The line of the model's code: `path:line` (the path from the package
+            folder on, `keras_hub/src/models/...`), or `""` where none is found.
+    """
+
+    layer: Any
+    operation: str
+    dtypes: tuple[str, str]
+    where: str
+
+    def describe(self) -> str:
+        """`"the model's own code multiplies ..."`: what failed, in a sentence's words."""
+        at = f" at {self.where}" if self.where else ""
+        inside = f" in {self.layer.name!r}" if self.layer is not None else ""
+        first, second = self.dtypes
+        return (
+            f"the model's own code mixes dtypes{inside}: {self.operation} of a {first} and a "
+            f"{second} tensor{at} (TensorFlow does not promote dtypes)"
+        )
+
+
+class DtypeClashError(TypeError):
+    """A replay's model call that failed on a `DtypeClash` (the original error is its
+    `__cause__`)."""
+
+    def __init__(self, clash: DtypeClash) -> None:
+        super().__init__(clash.describe())
+        self.clash = clash
+
+
+def clash_of(err: BaseException, model: Any, called: Sequence[Any]) -> DtypeClash | None:
+    """The `DtypeClash` `err` reports, or None where it is another error. `called`: the leaf
+    layers whose calls finished before it, in order."""
+    if not isinstance(err, (tf.errors.InvalidArgumentError, TypeError)):
+        return None
+    text = str(err)
+    eager, traced = _EAGER.search(text), _TRACED.search(text)
+    if eager is not None:
+        expected, given, operation = eager.groups()
+        dtypes = (_NAMES.get(expected, expected), _NAMES.get(given, given))
+    elif traced is not None:
+        operation, given, expected = traced.groups()
+        dtypes = (expected, given)
+    else:
+        return None
+    calling = _CALLING.search(text)
+    layer = _raising_layer(model, calling.group(1), called) if calling else None
+    return DtypeClash(layer, operation, dtypes, _model_line(err))
+
+
+def _raising_layer(model: Any, class_name: str, called: Sequence[Any]) -> Any:
+    """The layer of class `class_name` whose call raised: the innermost one around the last
+    leaf call that finished (the first of that class where none is around it)."""
+    candidates = [layer for layer in all_layers(model) if type(layer).__name__ == class_name]
+    if not candidates:
+        return None
+    for leaf in reversed(called):
+        around = [c for c in candidates if any(part is leaf for part in all_sublayers(c))]
+        if around:
+            return min(around, key=lambda c: len(all_sublayers(c)))
+    return candidates[0]
+
+
+def _model_line(err: BaseException) -> str:
+    """`path:line` of the deepest frame of `err`'s traceback outside the machinery."""
+    frames = [
+        frame
+        for frame in traceback.extract_tb(err.__traceback__)
+        if not any(part in frame.filename.replace("\\", "/") for part in _MACHINERY)
+    ]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    path = frame.filename.replace("\\", "/")
+    path = path.split("site-packages/")[-1] if "site-packages/" in path else path
+    return f"{path}:{frame.lineno}"
