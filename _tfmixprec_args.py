@@ -90,8 +90,18 @@ def _add_bench(sub: Any) -> None:
         type=_positive_int,
         help="default: 256 (built in), 32 (your function's model); a zoo model uses its own",
     )
-    bench.add_argument("--steps", type=_timed_steps, default=20, help="steps per timed run")
-    bench.add_argument("--repeats", type=_positive_int, default=3)
+    bench.add_argument(
+        "--steps",
+        type=_timed_steps,
+        default=20,
+        help="steps per timed run, 2 or more (default: 20)",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        help="timed runs per policy, the median reported (default: 3)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

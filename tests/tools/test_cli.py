@@ -606,6 +606,17 @@ def test_bench_bad_input_reaches_the_console_as_one_line(user_models, kind):
     assert re.fullmatch("tfmixprec bench: error: " + expected, lines[0]), lines[0]
 
 
+def test_bench_help_says_the_defaults(capsys):
+    from tfmixprec.tools.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "steps per timed run, 2 or more (default: 20)" in help_text
+    assert "timed runs per policy, the median reported (default: 3)" in help_text
+
+
 def test_bench_model_names_match_the_package():
     """The parser names the models without importing tfmixprec: the same names."""
     import _tfmixprec_args
