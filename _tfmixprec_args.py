@@ -35,6 +35,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _timed_steps(text: str) -> int:
+    """Steps per timed run: a step is timed from the end of the first to the end of the
+    last, so 2 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 2 (a step is timed from the end of the first to the end "
+            f"of the last), got {text!r}"
+        )
+    return value
+
+
 BENCH_MODELS = ("mlp", "cnn", "transformer")
 ZOO_MODELS = ("gpt2", "llama", "gemma", "mistral", "bert", "vit", "resnet", "mobilenet")
 
@@ -75,8 +90,18 @@ def _add_bench(sub: Any) -> None:
         type=_positive_int,
         help="default: 256 (built in), 32 (your function's model); a zoo model uses its own",
     )
-    bench.add_argument("--steps", type=_positive_int, default=20, help="steps per timed run")
-    bench.add_argument("--repeats", type=_positive_int, default=3)
+    bench.add_argument(
+        "--steps",
+        type=_timed_steps,
+        default=20,
+        help="steps per timed run, 2 or more (default: 20)",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        help="timed runs per policy, the median reported (default: 3)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,10 +10,14 @@ from pathlib import Path
 
 import keras
 import pytest
+import tensorflow as tf
 
 import tfmixprec
 
 SCRIPT = Path(sys.executable).parent / "tfmixprec"
+# A line TensorFlow's C++ logs (severity, date, time, thread, file:line): its ERROR lines
+# differ by CPU, so no test counts them.
+TF_LOG_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\] ")
 
 
 def run(*args, cwd=None, timeout=300):
@@ -207,6 +211,7 @@ def test_bench_table():
 USER_MODELS = """
 import keras
 import numpy as np
+import tensorflow as tf
 
 
 def build():
@@ -228,7 +233,7 @@ def with_data():
 
 
 def not_compiled():
-    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)], name="draft")
 
 
 def raises():
@@ -257,6 +262,62 @@ def language_model():
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(True))
     x = np.ones((32, 8), "int32")
     return model, x, x
+
+
+# What bench cannot run, each for its own reason (test_bench_bad_input_is_one_line_and_exit_2).
+def returns_none():
+    return None
+
+
+class NonNegative(keras.layers.Layer):
+    def call(self, x):
+        tf.debugging.assert_non_negative(x, message="inputs must be >= 0")
+        return x
+
+
+def call_fails():  # traces fine; its call fails on bench's made-up N(0, 1) inputs
+    inputs = keras.Input((16,))
+    model = keras.Model(inputs, keras.layers.Dense(4)(NonNegative()(inputs)), name="checks")
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def variable_length():
+    tokens = keras.Input((None, 4), name="tokens")
+    model = keras.Model(tokens, keras.layers.Dense(2)(tokens))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def text_input():
+    text = keras.Input((1,), dtype="string", name="text")
+    model = keras.Model(text, keras.layers.StringLookup(vocabulary=["a"])(text))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def subclassed():
+    model = Subclassed()
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def mismatched():
+    return build(), np.ones((64, 16), "float32"), np.zeros((40, 4), "float32")
+
+
+def sets_policy_then_raises():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    raise RuntimeError("no GPU quota")
 """
 
 
@@ -300,37 +361,260 @@ def test_bench_your_own_model(tmp_path):
     assert batches == ["8", "8"]
 
 
-@pytest.mark.parametrize(
-    "model, message",
-    [
-        ("missing.py:build", "No file 'missing.py' (from --model 'missing.py:build')."),
-        ("no_such_module_here:build", "Cannot import 'no_such_module_here'"),
-        ("models.py:nothing", "'models.py' has no function 'nothing'"),
-        ("models.py:not_compiled", "returned model 'sequential' not compiled: compile it"),
-        ("models.py:with_data", "returned 8 samples, fewer than the batch size 32"),
-        (
-            "models.py:raises",
-            "--model 'models.py:raises': calling it raised RuntimeError: no GPU quota. Fix it "
-            "there (run it in Python for the traceback).",
+@pytest.fixture(scope="module")
+def user_models(tmp_path_factory):
+    """A folder with the user's model files: good ones, and some that fail to import."""
+    folder = tmp_path_factory.mktemp("user_models")
+    (folder / "models.py").write_text(USER_MODELS)
+    (folder / "broken.py").write_text("def build(:\n")
+    (folder / "raises_on_import.py").write_text("raise RuntimeError('no GPU quota')\n")
+    return folder
+
+
+THERE = re.escape("Fix it there (run it in Python for the traceback).")
+RETURN_DATA = re.escape("Return (model, x, y) from your function.")
+FREE = r"needs at least [\d.]+ [kMGTP]?B of memory, more than the [\d.]+ [kMGTP]?B free here\."
+# Each kind of bad input to `tfmixprec bench`: its arguments, and its one line after
+# "tfmixprec bench: error: " (a regular expression). argparse's errors come after its usage.
+BAD_BENCH_INPUTS = {
+    "not-a-model-name": (
+        ["--model", "gpt3"],
+        re.escape(
+            "argument --model: expected mlp, cnn, transformer, gpt2, llama, gemma, mistral, "
+            "bert, vit, resnet, mobilenet or MODULE:FUNCTION / FILE.py:FUNCTION, got 'gpt3'"
         ),
-        (
-            "models.py:sparse_labels",
-            "--model 'models.py:sparse_labels': training its model (on made-up data unless it "
-            "returns (model, x, y)) raised ",
+    ),
+    "unknown-policy": (
+        ["--policies", "float32", "fp8"],
+        r"argument --policies: invalid choice: 'fp8' \(choose from .+\)",
+    ),
+    "steps-0": (
+        ["--steps", "0"],
+        re.escape(
+            "argument --steps: expected an integer >= 2 (a step is timed from the end of the "
+            "first to the end of the last), got '0'"
         ),
-        (
-            "broken.py:build",
-            "--model 'broken.py:build': importing 'broken.py' raised SyntaxError: ",
+    ),
+    "steps-1": (["--steps", "1"], r"argument --steps: expected an integer >= 2 .*, got '1'"),
+    "negative-repeats": (
+        ["--repeats", "-1"],
+        re.escape("argument --repeats: expected a positive integer, got '-1'"),
+    ),
+    "batch-size-0": (
+        ["--batch-size", "0"],
+        re.escape("argument --batch-size: expected a positive integer, got '0'"),
+    ),
+    "size-not-a-number": (
+        ["--size", "big"],
+        re.escape("argument --size: expected a positive integer, got 'big'"),
+    ),
+    # The issue's case: refused before TensorFlow allocates (it raised ResourceExhaustedError).
+    "size-past-memory": (
+        ["--model", "mlp", "--size", "3000000"],
+        re.escape(
+            "--model mlp --size 3000000 --batch-size 256 (3.6e+13 parameters a model, 3 "
+            "models side by side) "
+        )
+        + FREE
+        + r" Pass --size \d+ or less\.",
+    ),
+    "batch-past-memory": (
+        ["--model", "mlp", "--size", "64", "--batch-size", "100000000000"],
+        re.escape("--model mlp --size 64 --batch-size 100000000000 (1.7e+04 parameters a ")
+        + r"model, 3 models side by side\) "
+        + FREE
+        + re.escape(" Pass a smaller --batch-size."),
+    ),
+    "transformer-too-narrow": (
+        ["--model", "transformer", "--size", "3"],
+        re.escape(
+            "The transformer's width must be at least 4 (4 attention heads of width "
+            "size // 4). Received: size=3; pass --size 4 or more."
         ),
-    ],
-)
-def test_bench_your_own_model_errors(tmp_path, model, message):
-    (tmp_path / "models.py").write_text(USER_MODELS)
-    (tmp_path / "broken.py").write_text("def build(:\n")
-    code, out, err = run("bench", "--model", model, "--steps", "2", "--repeats", "1", cwd=tmp_path)
+    ),
+    "file-missing": (
+        ["--model", "missing.py:build"],
+        re.escape("No file 'missing.py' (from --model 'missing.py:build'). Pass a built-in")
+        + r" .+ or FILE\.py:FUNCTION\.",
+    ),
+    "module-missing": (
+        ["--model", "no_such_module_here:build"],
+        re.escape(
+            "Cannot import 'no_such_module_here' (from --model 'no_such_module_here:build'): "
+            "No module named 'no_such_module_here'"
+        ),
+    ),
+    "function-missing": (
+        ["--model", "models.py:nothing"],
+        re.escape("'models.py' has no function 'nothing' (from --model 'models.py:nothing')."),
+    ),
+    "file-does-not-parse": (
+        ["--model", "broken.py:build"],
+        re.escape("--model 'broken.py:build': importing 'broken.py' raised SyntaxError: ")
+        + ".+"
+        + THERE,
+    ),
+    "file-raises-on-import": (
+        ["--model", "raises_on_import.py:build"],
+        re.escape(
+            "--model 'raises_on_import.py:build': importing 'raises_on_import.py' raised "
+            "RuntimeError: no GPU quota. "
+        )
+        + THERE,
+    ),
+    "function-raises": (
+        ["--model", "models.py:raises"],
+        re.escape("--model 'models.py:raises': calling it raised RuntimeError: no GPU quota. ")
+        + THERE,
+    ),
+    "function-sets-the-policy-and-raises": (
+        ["--model", "models.py:sets_policy_then_raises"],
+        r"--model 'models\.py:sets_policy_then_raises': calling it raised RuntimeError: no GPU "
+        r"quota\. " + THERE,
+    ),
+    "returns-no-model": (
+        ["--model", "models.py:returns_none"],
+        re.escape(
+            "models.py:returns_none must return a compiled keras.Model, or (model, x, y) or "
+            "(model, x, y, sample_weight). Received: NoneType"
+        ),
+    ),
+    "model-not-compiled": (
+        ["--model", "models.py:not_compiled"],
+        re.escape(
+            "models.py:not_compiled returned model 'draft' not compiled: compile it in the "
+            "function (model.compile(optimizer=..., loss=...)), as you train it."
+        ),
+    ),
+    # The issue's case: the model's own call fails on bench's made-up inputs.
+    "model-call-fails-on-made-up-inputs": (
+        ["--model", "models.py:call_fails"],
+        re.escape(
+            "--model 'models.py:call_fails': calling its model on made-up inputs (floats from "
+            "N(0, 1), integers of ones) raised InvalidArgumentError: inputs must be >= 0."
+        )
+        + ".* "
+        + RETURN_DATA,
+    ),
+    "input-of-unknown-length": (
+        ["--model", "models.py:variable_length"],
+        re.escape(
+            "--model 'models.py:variable_length': its model's input 'tokens' has shape "
+            "(None, None, 4): bench cannot make data for it. "
+        )
+        + RETURN_DATA,
+    ),
+    "input-of-strings": (
+        ["--model", "models.py:text_input"],
+        re.escape(
+            "--model 'models.py:text_input': its model's input 'text' has dtype string: bench "
+            "makes numbers only. "
+        )
+        + RETURN_DATA,
+    ),
+    "subclassed-model": (
+        ["--model", "models.py:subclassed"],
+        re.escape(
+            "--model 'models.py:subclassed': its model 'subclassed' has no symbolic inputs (a "
+            "subclassed model): bench cannot make data for it. "
+        )
+        + RETURN_DATA,
+    ),
+    "made-up-inputs-past-memory": (
+        ["--model", "models.py:build", "--batch-size", "10000000000000"],
+        re.escape(
+            "--model 'models.py:build' --batch-size 10000000000000: a batch of made-up inputs "
+            "for its model "
+        )
+        + FREE
+        + re.escape(" Pass a smaller --batch-size."),
+    ),
+    "fewer-samples-than-a-batch": (
+        ["--model", "models.py:with_data"],
+        re.escape(
+            "models.py:with_data returned 8 samples, fewer than the batch size 32: return "
+            "more, or pass a smaller --batch-size."
+        ),
+    ),
+    "x-and-y-of-other-lengths": (
+        ["--model", "models.py:mismatched"],
+        re.escape(
+            "models.py:mismatched returned arrays of 40 and 64 samples: return x and y (and "
+            "sample_weight) with as many rows each."
+        ),
+    ),
+    "loss-does-not-take-the-made-up-targets": (
+        ["--model", "models.py:sparse_labels"],
+        re.escape(
+            "--model 'models.py:sparse_labels': training its model (on made-up data unless "
+            "it returns (model, x, y)) raised ValueError: "
+        )
+        + ".+"
+        + THERE,
+    ),
+    # float16 without a GPU turns grappler's remapper off: it is on again after the error.
+    "fails-under-float16": (
+        ["--model", "models.py:sparse_labels", "--policies", "mixed_float16"],
+        r"--model 'models\.py:sparse_labels': training its model .+ raised ValueError: .+" + THERE,
+    ),
+}
+
+
+def _process_state():
+    """What a bench may change in the process: the global policy, grappler's remapper and
+    tfmixprec's float16 CPU switches."""
+    remapping = tf.config.optimizer.get_experimental_options().get("remapping", True)
+    return keras.config.dtype_policy().name, remapping, tfmixprec.cpu_float16.status()
+
+
+@pytest.mark.parametrize("kind", list(BAD_BENCH_INPUTS))
+def test_bench_bad_input_is_one_line_and_exit_2(user_models, monkeypatch, capsys, kind):
+    """Each kind of bad input: exit code 2 and one line on stderr that names the bad value and
+    the fix (argparse's after its usage), no traceback, no table; the process as it was."""
+    from tfmixprec.tools.cli import main
+
+    args, expected = BAD_BENCH_INPUTS[kind]
+    monkeypatch.chdir(user_models)
+    before = _process_state()
+    try:
+        code = main(["bench", "--steps", "2", "--repeats", "1", *args])
+        usage_error = False
+    except SystemExit as exit_:
+        code, usage_error = exit_.code, True
+    out, err = capsys.readouterr()
     assert code == 2
-    assert "tfmixprec bench: error: " in err and message in err, err[-2000:]
+    *usage, line = err.splitlines()
+    if usage_error:  # argparse's usage, then its one line
+        assert usage[0].startswith("usage: tfmixprec bench [-h]"), err
+        assert all(not part.startswith("tfmixprec bench: error:") for part in usage), err
+    else:
+        assert usage == [], err
+        assert out.startswith("machine: ") and "vs float32" not in out
+    assert re.fullmatch("tfmixprec bench: error: " + expected, line), line
+    assert _process_state() == before
+
+
+@pytest.mark.parametrize("kind", ["model-call-fails-on-made-up-inputs", "size-past-memory"])
+def test_bench_bad_input_reaches_the_console_as_one_line(user_models, kind):
+    """Through the console script, with its own Python warnings: one line, no traceback."""
+    args, expected = BAD_BENCH_INPUTS[kind]
+    code, out, err = run("bench", "--steps", "2", "--repeats", "1", *args, cwd=user_models)
+    assert code == 2
     assert "Traceback" not in err and "vs float32" not in out
+    lines = [line for line in err.splitlines() if not TF_LOG_LINE.match(line)]  # any CPU's
+    assert len(lines) == 1, err
+    assert re.fullmatch("tfmixprec bench: error: " + expected, lines[0]), lines[0]
+
+
+def test_bench_help_says_the_defaults(capsys):
+    from tfmixprec.tools.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--help"])
+    assert exit_.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "steps per timed run, 2 or more (default: 20)" in help_text
+    assert "timed runs per policy, the median reported (default: 3)" in help_text
 
 
 def test_bench_model_names_match_the_package():

@@ -10,8 +10,10 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -25,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._common.layers import iter_layers
+from tfmixprec._common.validate import check_int_at_least_one
 from tfmixprec.fit.training import MixedPrecisionModel, route_slow_cpu_kernels
 from tfmixprec.precision import cpu_float16
 from tfmixprec.precision.cpu_route import route_of
@@ -82,8 +85,7 @@ def build_model(model: str, size: int, cls: type = keras.Model) -> keras.Model:
     Returns:
         An uncompiled functional model with a float32 softmax output.
     """
-    if model not in MODELS:
-        raise ValueError(f"model must be one of {list(MODELS)}. Received: model={model!r}")
+    _check_model_size(model, size)
     layers = keras.layers
     if model == "mlp":
         inputs = keras.Input((size,))
@@ -111,6 +113,127 @@ def build_model(model: str, size: int, cls: type = keras.Model) -> keras.Model:
     built = cls(inputs, outputs)
     float32_outputs(built)
     return built
+
+
+def _check_model_size(model: str, size: int) -> None:
+    """Raises `ValueError` for a built-in model name not in `MODELS`, or a width it cannot
+    have (the transformer's 4 heads need a width of 4 or more)."""
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {list(MODELS)}. Received: model={model!r}")
+    if model == "transformer" and size < 4:
+        raise ValueError(
+            "The transformer's width must be at least 4 (4 attention heads of width "
+            f"size // 4). Received: size={size!r}; pass --size 4 or more."
+        )
+
+
+def _footprint(model: str, size: int) -> tuple[int, int]:
+    """A built-in model's parameters, and the values one sample's training step keeps (its
+    input and each layer's output), from its width: what `_check_bench_memory` counts."""
+    _check_model_size(model, size)
+    if model == "mlp":
+        return 4 * size * (size + 1) + 10 * (size + 1), 5 * size
+    if model == "cnn":
+        f = max(size // 8, 8)
+        convolutions = [(3, f), (f, f), (f, 2 * f), (2 * f, 2 * f), (2 * f, 4 * f), (4 * f, 4 * f)]
+        parameters = sum(9 * a * b + b for a, b in convolutions) + 10 * (4 * f + 1)
+        return parameters, 32 * 32 * 3 + 4032 * f  # convolutions and poolings, 32x32 to 4x4
+    heads = 4 * (size // 4)  # 4 heads of key_dim size // 4
+    attention = 3 * (size * heads + heads) + heads * size + size
+    feed_forward = size * 4 * size + 4 * size + 4 * size * size + size
+    parameters = attention + 2 * 2 * size + feed_forward + 10 * (size + 1)
+    return parameters, 64 * 15 * size + 4 * 64 * 64  # sequence 64; the scores of 4 heads
+
+
+def _free_memory() -> int | None:
+    """Bytes of memory free for new work here: Linux's MemAvailable (or the physical memory),
+    at most what a cgroup v2 limit leaves; None where none of them can be read."""
+    free = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    if free is None:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError, ValueError):
+        cgroup = Path("/sys/fs/cgroup")
+        limit = int((cgroup / "memory.max").read_text())  # "max": no limit, a ValueError
+        left = limit - int((cgroup / "memory.current").read_text())
+        free = left if free is None else min(free, left)
+    return free
+
+
+def _bytes_text(count: float) -> str:
+    """`22.9 GB`: a memory size for people (powers of 1000)."""
+    for unit in ("bytes", "kB", "MB", "GB", "TB", "PB"):
+        if count < 1000 or unit == "PB":
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1000
+    raise AssertionError("unreachable")
+
+
+def _too_large(what: str, needed: int, free: int, fix: str) -> ValueError:
+    return ValueError(
+        f"{what} needs at least {_bytes_text(needed)} of memory, more than the "
+        f"{_bytes_text(free)} free here. {fix}"
+    )
+
+
+def _check_memory(needed: int, what: str, fix: str) -> None:
+    """Raises `ValueError` when `needed` bytes are more than `_free_memory()`: before bench
+    allocates them, where running out would end the process or raise deep inside TensorFlow.
+
+    Args:
+        needed: Int. The bytes the work needs at least.
+        what: String. The work and the values that size it, to start the message.
+        fix: String. What to do instead, to end it.
+    """
+    free = _free_memory()
+    if free is not None and needed > free:
+        raise _too_large(what, needed, free, fix)
+
+
+def _bench_bytes(model: str, size: int, batch: int, models: int) -> int:
+    """At least the memory `models` built-in models side by side take to train: each
+    parameter in float32 with its gradient and Adam's two moments, and a batch's values
+    kept for the backward pass with their gradients."""
+    parameters, values = _footprint(model, size)
+    return models * (16 * parameters + 8 * batch * values)
+
+
+def _largest_size(model: str, size: int, batch: int, models: int, free: int) -> int:
+    """The largest width below `size` whose models fit in `free` bytes; 0 if none does."""
+    smallest = 4 if model == "transformer" else 1
+    low, high = smallest - 1, size  # the answer is in [low, high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if _bench_bytes(model, middle, batch, models) <= free:
+            low = middle
+        else:
+            high = middle
+    return low if low >= smallest else 0
+
+
+def _check_bench_memory(model: str, size: int, batch: int, models: int) -> None:
+    """Refuses a built-in model too large for this machine's memory before building it,
+    with the largest `size` that fits (or, if none does, a smaller batch to pass).
+
+    Raises:
+        ValueError: If `models` models of `size` training on `batch` samples need more than
+            `_free_memory()`.
+    """
+    needed = _bench_bytes(model, size, batch, models)
+    free = _free_memory()
+    if free is None or needed <= free:
+        return
+    largest = _largest_size(model, size, batch, models, free)
+    what = (
+        f"--model {model} --size {size} --batch-size {batch} "
+        f"({_footprint(model, size)[0]:.2g} parameters a model, {models} models side by side)"
+    )
+    fix = f"Pass --size {largest} or less." if largest else "Pass a smaller --batch-size."
+    raise _too_large(what, needed, free, fix)
 
 
 class StepTimer(keras.callbacks.Callback):
@@ -256,6 +379,8 @@ def run_bench(
     Returns:
         List of `BenchResult`, in the order of `policies` x `stacks`.
     """
+    _check_counts(policies, steps, repeats, batch)
+    _check_bench_memory(model, size, batch, len(policies) * len(stacks))
     hardware = detect_hardware()
     datasets: dict[int, tf.data.Dataset] = {}
 
@@ -266,22 +391,44 @@ def run_bench(
         return datasets[n]
 
     float16_steps_batch = (float16_steps, float16_batch)
-    variants = [
-        _variant(model, policy, stack, size, hardware, (steps, batch), float16_steps_batch)
-        for policy in policies
-        for stack in stacks
-    ]
-    variants = [_with_data(v, dataset_for(v["batch"])) for v in variants]
-    say = progress or (lambda line: None)
-    runs = _timed_runs(variants, repeats, say)
+    sized = f"--model {model} --size {size} --batch-size {batch}: training"
+    with _out_of_memory(sized, "Pass a smaller --size or --batch-size."):
+        variants = [
+            _variant(model, policy, stack, size, hardware, (steps, batch), float16_steps_batch)
+            for policy in policies
+            for stack in stacks
+        ]
+        variants = [_with_data(v, dataset_for(v["batch"])) for v in variants]
+        runs = _timed_runs(variants, repeats, progress or (lambda line: None))
     return [_result(model, v, runs[i]) for i, v in enumerate(variants)]
 
 
+def _check_counts(policies: Sequence[str], steps: int, repeats: int, batch: int | None) -> None:
+    """Raises `ValueError` for a policy name that is not one, fewer than 2 steps (a step is
+    timed from the end of the first to the end of the last), or fewer than 1 repeat or
+    sample, before anything is built."""
+    for policy in policies:
+        check_policy_name(policy)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(
+            "steps must be an integer >= 2 (a step is timed from the end of the first to the "
+            f"end of the last). Received: steps={steps!r}"
+        )
+    check_int_at_least_one("repeats", repeats)
+    if batch is not None:
+        check_int_at_least_one("batch", batch)
+
+
 def _timed_runs(
-    variants: list[dict[str, Any]], repeats: int, say: Callable[[str], None]
+    variants: list[dict[str, Any]],
+    repeats: int,
+    say: Callable[[str], None],
+    notes: Sequence[str] = (),
 ) -> dict[int, list[float]]:
     """Each variant warmed up, then timed `repeats` times in alternating order: seconds per
-    step, per variant; `say` hears each warm-up and the time left after each round."""
+    step, per variant; `say` hears each warm-up, then the `notes` (after the first step of
+    every variant, so a model that cannot train under its first policy fails on one line),
+    and the time left after each round."""
     warm = []
     for i, variant in enumerate(variants):
         warm_steps = max(2, variant["steps"] // 4)
@@ -291,6 +438,8 @@ def _timed_runs(
             f"warmed up {i + 1}/{len(variants)}: {_label(variant)} "
             f"{1000 * timer.per_step:.1f} ms/step"
         )
+    for note in notes:
+        say(note)
     left = sum(repeats * v["steps"] * warm[i] for i, v in enumerate(variants))
     say(f"timing {repeats} runs of each: about {_duration(left)}")
     runs: dict[int, list[float]] = {i: [] for i in range(len(variants))}
@@ -351,6 +500,19 @@ def format_table(results: Sequence[BenchResult]) -> str:
             f"{r.samples_per_s:10.1f} {ratio:>10}"
         )
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def process_kept() -> Iterator[None]:
+    """Within the block bench sets the global policy and may turn grappler's remapper off
+    (float16 without a GPU, `cpu_float16`); after it both are as they were, also when it
+    raises: a bench leaves the process as it found it."""
+    policy = keras.config.dtype_policy()
+    with cpu_float16.process_state_kept():
+        try:
+            yield
+        finally:
+            keras.config.set_dtype_policy(policy)
 
 
 def describe_machine() -> dict[str, Any]:
@@ -478,47 +640,126 @@ def _import(where: str) -> Any:
             sys.path.remove(os.getcwd())
 
 
+_FIX_THERE = "Fix it there (run it in Python for the traceback)."
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Keras's bold in its call errors
+# TensorFlow's and Keras's wrapping around a message: the graph's traceback, the node and op.
+_WRAPPING = re.compile(
+    r"^(Graph execution error:|Detected at node |\s*File \"|Exception encountered when "
+    r"calling |Arguments received by |\s+\u2022 |\s*\[\[\{\{node )"
+)
+_TF_NAMES = re.compile(r"\{\{function_node [^}]*\}\}\s*|\s*\[Op:[^\]]*\](\s*name:.*)?")
+
+
+def _error_line(error: BaseException, limit: int = 300) -> str:
+    """`error`'s message in one line: its first paragraph without TensorFlow's graph traceback,
+    node and op names, Keras's call wrapping or terminal colours, cut at `limit` characters;
+    "" if nothing is left."""
+    text = _TF_NAMES.sub("", _ANSI.sub("", str(error)))
+    paragraph: list[str] = []
+    for line in text.splitlines():
+        if _WRAPPING.match(line):
+            continue
+        if line.strip():
+            paragraph.append(line.strip())
+        elif paragraph:
+            break
+    line = " ".join(paragraph)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _raised(error: BaseException) -> str:
+    """`RuntimeError: no GPU quota.`: what a user's code raised, as a sentence."""
+    line = _error_line(error)
+    text = f"{type(error).__name__}: {line}" if line else type(error).__name__
+    return text if text.endswith(".") else text + "."
+
+
 @contextlib.contextmanager
-def _user_code(spec: str, doing: str) -> Iterator[None]:
-    """The user's code failing, as one error that names it (its traceback: run it in Python)."""
+def _out_of_memory(doing: str, fix: str) -> Iterator[None]:
+    """TensorFlow or NumPy running out of memory in the block, as one `ValueError` that says
+    what ran out (`doing`: the values that sized it, then the work) and what to do (`fix`)."""
     try:
         yield
-    except ModuleNotFoundError as error:
-        raise ValueError(f"Cannot import {error.name!r} (from --model {spec!r}): {error}") from None
-    except Exception as error:  # noqa: BLE001 (the user's code may raise anything)
+    except (tf.errors.ResourceExhaustedError, MemoryError) as error:
+        raise ValueError(f"{doing} ran out of memory ({_error_line(error)}). {fix}") from None
+
+
+@contextlib.contextmanager
+def _user_code(spec: str, doing: str, fix: str = _FIX_THERE) -> Iterator[None]:
+    """The user's code (their function, their model) failing, as a `ValueError` of one line
+    that names it, says what it was doing and what to do (the traceback: run it in Python)."""
+    smaller = "Build a smaller model, or pass a smaller --batch-size."
+    with _out_of_memory(f"--model {spec!r}: {doing}", smaller):
+        try:
+            yield
+        except ModuleNotFoundError as error:
+            raise ValueError(
+                f"Cannot import {error.name!r} (from --model {spec!r}): {error}"
+            ) from None
+        except (tf.errors.ResourceExhaustedError, MemoryError):
+            raise  # said by _out_of_memory
+        except Exception as error:  # noqa: BLE001 (the user's code may raise anything)
+            raise ValueError(f"--model {spec!r}: {doing} raised {_raised(error)} {fix}") from None
+
+
+def _input_bytes(source: str, spec: Any, batch: int) -> int:
+    """The bytes of a batch of made-up data for the symbolic input `spec` (float64 as drawn);
+    a `ValueError` that names `source` if bench cannot make it (an unknown dimension, not a
+    number)."""
+    shape, dtype = (batch, *spec.shape[1:]), str(spec.dtype)
+    if None in shape:
         raise ValueError(
-            f"--model {spec!r}: {doing} raised {type(error).__name__}: {error}. Fix it there "
-            "(run it in Python for the traceback)."
-        ) from None
+            f"{source}: its model's input {spec.name!r} has shape {tuple(spec.shape)}: bench "
+            "cannot make data for it. Return (model, x, y) from your function."
+        )
+    if not any(kind in dtype for kind in ("int", "bool", "float")):
+        raise ValueError(
+            f"{source}: its model's input {spec.name!r} has dtype {dtype}: bench makes "
+            "numbers only. Return (model, x, y) from your function."
+        )
+    return 8 * math.prod(shape)
 
 
-def synthetic_data(model: keras.Model, batch: int, seed: int = 0) -> tuple[Any, Any]:
-    """One batch for `model`: floats from N(0, 1) and integer inputs of ones (a valid token
-    and a full mask), in its inputs' structure; targets of zeros shaped like its outputs.
+def synthetic_inputs(model: keras.Model, batch: int, seed: int = 0, source: str = "bench") -> Any:
+    """One batch of inputs for `model`, in its inputs' structure: floats from N(0, 1) and
+    integer inputs of ones (a valid token and a full mask).
+
+    Args:
+        model: `keras.Model`. A functional or `Sequential` model.
+        batch: Int. The batch size.
+        seed: Int. The floats' seed.
+        source: String. Where the model comes from (`--model 'my.py:build'`), to start an
+            error's message.
 
     Raises:
-        ValueError: If the model has no symbolic inputs (a subclassed model) or one with an
-            unknown dimension.
+        ValueError: If the model has no symbolic inputs (a subclassed model), one with an
+            unknown dimension or of another dtype than numbers, or the batch would not fit
+            in memory.
     """
+    inputs = _symbolic_inputs(source, model)
+    needed = sum(_input_bytes(source, spec, batch) for spec in keras.tree.flatten(inputs))
+    what = f"{source} --batch-size {batch}: a batch of made-up inputs for its model"
+    _check_memory(needed, what, "Pass a smaller --batch-size.")
     rng = np.random.default_rng(seed)
 
     def value(spec: Any) -> np.ndarray:
-        shape = (batch, *spec.shape[1:])
-        if None in shape:
-            raise ValueError(
-                f"The model's input {spec.name!r} has shape {tuple(spec.shape)}: bench cannot "
-                "make data for it. Return (model, x, y) from your function."
-            )
-        if "int" in str(spec.dtype) or "bool" in str(spec.dtype):
-            return np.ones(shape, str(spec.dtype))
-        return rng.normal(size=shape).astype(str(spec.dtype))
+        shape, dtype = (batch, *spec.shape[1:]), str(spec.dtype)
+        if "int" in dtype or "bool" in dtype:
+            return np.ones(shape, dtype)
+        return rng.normal(size=shape).astype(dtype)
 
-    x = keras.tree.map_structure(value, _symbolic_inputs(model))
+    with _out_of_memory(what, "Pass a smaller --batch-size."):
+        return keras.tree.map_structure(value, inputs)
+
+
+def synthetic_targets(model: keras.Model, x: Any) -> Any:
+    """Targets of zeros shaped like `model`'s outputs on `x` (one inference call: the
+    model's own code runs, so call it where its errors are the user's)."""
     outputs = model(x, training=False)
-    return x, keras.tree.map_structure(lambda o: np.zeros(o.shape, "float32"), outputs)
+    return keras.tree.map_structure(lambda o: np.zeros(o.shape, "float32"), outputs)
 
 
-def _symbolic_inputs(model: keras.Model) -> Any:
+def _symbolic_inputs(source: str, model: keras.Model) -> Any:
     """A functional model's inputs in their structure (a dict for KerasHub's), a
     `Sequential`'s input tensor."""
     try:
@@ -527,8 +768,8 @@ def _symbolic_inputs(model: keras.Model) -> Any:
         inputs = getattr(model, "inputs", None)  # a Sequential has these only
     if not inputs:
         raise ValueError(
-            f"Model {model.name!r} has no symbolic inputs (a subclassed model): bench cannot "
-            "make data for it. Return (model, x, y) from your function."
+            f"{source}: its model {model.name!r} has no symbolic inputs (a subclassed model): "
+            "bench cannot make data for it. Return (model, x, y) from your function."
         )
     return inputs[0] if len(inputs) == 1 else inputs
 
@@ -558,22 +799,44 @@ def _model_and_batches(
             "(model.compile(optimizer=..., loss=...)), as you train it."
         )
     if not data:
-        one = _tuples(synthetic_data(model, batch))
-        return model, tf.data.Dataset.from_tensors(one).repeat(), batch
+        x = synthetic_inputs(model, batch, source=f"--model {spec!r}")
+        made_up = "calling its model on made-up inputs (floats from N(0, 1), integers of ones)"
+        with _user_code(spec, made_up, "Return (model, x, y) from your function."):
+            y = synthetic_targets(model, x)
+        return model, tf.data.Dataset.from_tensors(_tuples((x, y))).repeat(), batch
     data = _tuples(data)
-    samples = len(keras.tree.flatten(data[0])[0])
-    if samples < batch:
-        raise ValueError(
-            f"{spec} returned {samples} samples, fewer than the batch size {batch}: return "
-            "more, or pass a smaller --batch-size."
-        )
+    _check_samples(spec, data, batch)
     batches = tf.data.Dataset.from_tensor_slices(tuple(data)).batch(batch, drop_remainder=True)
     return model, batches.repeat(), batch
 
 
+def _check_samples(spec: str, data: tuple[Any, ...], batch: int) -> None:
+    """Raises `ValueError` unless each array a function returned (x, y, sample_weight, nested)
+    has the same number of samples along its first dimension, `batch` or more."""
+    arrays = keras.tree.flatten(data)
+    counts = sorted({np.shape(array)[0] if np.ndim(array) else 0 for array in arrays})
+    if 0 in counts:
+        kinds = sorted({type(a).__name__ for a in arrays if not np.ndim(a) or not len(a)})
+        raise ValueError(
+            f"{spec} returned data without samples (a {', '.join(kinds)}): return x and y "
+            "(and sample_weight) as arrays with one row a sample."
+        )
+    if len(counts) > 1:
+        raise ValueError(
+            f"{spec} returned arrays of {' and '.join(map(str, counts))} samples: return x and "
+            "y (and sample_weight) with as many rows each."
+        )
+    if counts[0] < batch:
+        raise ValueError(
+            f"{spec} returned {counts[0]} samples, fewer than the batch size {batch}: return "
+            "more, or pass a smaller --batch-size."
+        )
+
+
 def model_source(spec: str, batch: int | None = None) -> ModelSource:
     """What `run_model_bench` benches for `spec`: a zoo model at its `"bench"` size, or the
-    model a function builds (`load_function`), with its data or `synthetic_data`."""
+    model a function builds (`load_function`), with its data or made-up inputs
+    (`synthetic_inputs`) and zero targets."""
     if spec in zoo.MODELS:
 
         def build_zoo() -> tuple[keras.Model, tf.data.Dataset, int]:
@@ -594,12 +857,12 @@ def model_source(spec: str, batch: int | None = None) -> ModelSource:
 
 
 def _source_variants(
-    source: ModelSource, policy: str, steps: int, hardware: Any, say: Callable[[str], None]
+    source: ModelSource, policy: str, steps: int, hardware: Any, notes: list[str]
 ) -> list[dict[str, Any]]:
     """One variant per stack: float32 once; each low precision plain and through tfmixprec's
-    CPU routes, the latter only where a route changes a layer (else it is the same step);
-    float16 on a CPU only through the routes (plain Keras float16 there takes minutes a
-    step, benchmarks/RESULTS.md 2b)."""
+    CPU routes, the latter only where a route changes a layer (else it is the same step, and
+    a line in `notes` says so); float16 on a CPU only through the routes (plain Keras float16
+    there takes minutes a step, benchmarks/RESULTS.md 2b)."""
     resolved = choose_policy(hardware).name if policy == "auto" else check_policy_name(policy)
     stacks = ["keras", "tfmixprec"]
     if resolved == "float32":
@@ -608,15 +871,18 @@ def _source_variants(
         stacks = ["tfmixprec"]
     variants = []
     for stack in stacks:
-        with policy_scope(resolved, hardware), warnings.catch_warnings():
+        with warnings.catch_warnings():
             # float16 without a GPU: bench measures it on purpose (set_policy's warning).
             warnings.filterwarnings("ignore", "mixed_float16 without a GPU", UserWarning)
-            keras.utils.set_random_seed(0)
-            net, data, batch = source.build()
+            with policy_scope(resolved, hardware):
+                keras.utils.set_random_seed(0)
+                net, data, batch = source.build()
         if stack == "tfmixprec":
             route_slow_cpu_kernels(net)
             if variants and not any(route_of(layer) for layer in iter_layers(net)):
-                say(f"{resolved}, tfmixprec: no layer to route here, the same step as keras")
+                notes.append(
+                    f"{resolved}, tfmixprec: no layer to route here, the same step as keras"
+                )
                 continue
         variant = dict(policy=policy, resolved=resolved, stack=stack, net=net, steps=steps)
         variants.append({**variant, "batch": batch, "data": data})
@@ -636,8 +902,9 @@ def run_model_bench(
     Args:
         spec: String. A zoo name (`tfmixprec.zoo.MODELS`), or `MODULE:FUNCTION` /
             `FILE.py:FUNCTION`: a function that builds and compiles your model under the
-            global policy it finds, returning the model (bench makes `synthetic_data`) or
-            `(model, x, y)` / `(model, x, y, sample_weight)`. It is called once per variant.
+            global policy it finds, returning the model (bench makes `synthetic_inputs` and
+            zero targets) or `(model, x, y)` / `(model, x, y, sample_weight)`. It is called
+            once per variant.
         policies: List of policy names (`"auto"` allowed); float32 is what ratios compare to.
         batch: Int. Batch size for a function's model (default 32); a zoo model uses its own.
         steps: Int. Steps per timed run.
@@ -647,10 +914,11 @@ def run_model_bench(
     Returns:
         List of `BenchResult`, for `recommend`.
     """
+    _check_counts(policies, steps, repeats, batch)
     hardware = detect_hardware()
     source = model_source(spec, batch)
-    say = progress or (lambda line: None)
-    variants = [v for p in policies for v in _source_variants(source, p, steps, hardware, say)]
+    notes: list[str] = []
+    variants = [v for p in policies for v in _source_variants(source, p, steps, hardware, notes)]
     with _user_code(spec, "training its model (on made-up data unless it returns (model, x, y))"):
-        runs = _timed_runs(variants, repeats, say)
+        runs = _timed_runs(variants, repeats, progress or (lambda line: None), notes)
     return [_result(source.name, v, runs[i]) for i, v in enumerate(variants)]

@@ -119,7 +119,9 @@ def _print_demo_summary(
 def cmd_bench(args: argparse.Namespace) -> int:
     """Times each policy on a built-in model (`bench.run_bench`) or on a zoo model or your own
     (`bench.run_model_bench`), prints the table and the policy to use (`bench.recommend`).
-    Exit 2 when the model cannot be built or benched."""
+    Exit 2 when the model cannot be built or benched: one line on stderr says why (bench turns
+    the errors of your code and model, and running out of memory, into it), and the global
+    policy and TensorFlow's options are as they were."""
     from tfmixprec.tools import bench
 
     machine = bench.describe_machine()
@@ -129,9 +131,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     progress = lambda line: print(f"bench: {line}", file=sys.stderr, flush=True)  # noqa: E731
     try:
-        results = _bench_results(args, bench, progress)
+        with bench.process_kept():
+            results = _bench_results(args, bench, progress)
     except (ImportError, TypeError, ValueError) as err:
-        print(f"tfmixprec bench: error: {err}", file=sys.stderr)
+        print(f"tfmixprec bench: error: {' '.join(str(err).split())}", file=sys.stderr)
         return EXIT_USAGE
     print(bench.format_table(results))
     policies = {r.resolved_policy for r in results}
