@@ -1,6 +1,8 @@
 """Tests of `tfmixprec.audit`: each problem on a model built to have it, none on a clean one."""
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import subprocess
@@ -12,11 +14,15 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+from keras.src.backend.common import global_state
+from tensorflow.python.eager import context as tf_context
 
 import tfmixprec
 from tfmixprec._common.observe import observe
-from tfmixprec.precision import float8_recipe
+from tfmixprec.precision import cpu_float16, float8_recipe
 from tfmixprec.precision.hardware import GPUInfo, HardwareInfo
+from tfmixprec.tools import cli
 
 # The model's own findings, the same on any machine; the machine's are tested on their own.
 A100 = HardwareInfo(gpus=(GPUInfo("NVIDIA A100", (8, 0)),))
@@ -821,29 +827,68 @@ def test_an_unbuilt_sublayer_and_auto_under_given_hardware():
     assert tfmixprec.audit(model, policy="auto", hardware=v100).policy == "mixed_float16"
 
 
-def test_auditing_a_file_leaves_the_process_as_it_was(tmp_path):
+@pytest.fixture
+def fresh_settings():
+    """A function that makes this process's settings as a fresh process has them: grappler's
+    remapping option and Keras's global policy unset, tfmixprec's CPU float16 switches at
+    their start; everything as it was after the test."""
+    options = tf_context.context()._optimizer_experimental_options
+    policy = global_state.get_global_attribute("dtype_policy")
+    saved = (dict(options), dict(cpu_float16._STATE), policy)
+
+    def unset():
+        options.pop("remapping", None)
+        tf.config.optimizer.set_experimental_options({})  # functions re-read the options
+        cpu_float16._STATE.update(enabled=True, remapper_was=None)
+        global_state.set_global_attribute("dtype_policy", None)
+
+    yield unset
+    options.clear()
+    options.update(saved[0])
+    tf.config.optimizer.set_experimental_options({})
+    cpu_float16._STATE.update(saved[1])
+    global_state.set_global_attribute("dtype_policy", saved[2])
+
+
+def _config_changed(path, out, change):
+    """A copy of the .keras file `path` at `out`, its config.json changed by `change(config)`."""
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    config = json.loads(members["config.json"])
+    change(config)
+    members["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(out, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+
+
+def test_auditing_a_file_leaves_every_setting_as_it_found_it(tmp_path, fresh_settings):
     """Compiling a saved float16 MixedPrecisionModel goes through tfmixprec's compile, which
-    turns grappler's remapper off on a CPU: the audit puts it back (a fresh process, where it
-    was on)."""
+    turns grappler's remapper off on a CPU, and loading it sets Keras's global policy for a
+    while: after `tfmixprec audit FILE` in this process, done or failed once the remapper was
+    off (a compile argument Keras does not take), every option is as it was, an unset one
+    unset."""
     with tfmixprec.policy_scope("mixed_float16"):
         inputs = keras.Input((8,))
         outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(8)(inputs))
         model = tfmixprec.MixedPrecisionModel(inputs, outputs)
         model.compile(optimizer="sgd", loss="mse")
     model.save(tmp_path / "model.keras")
-    code = (
-        "import tensorflow as tf, tfmixprec\n"
-        "options = tf.config.optimizer.get_experimental_options\n"
-        "remapping = lambda: options().get('remapping', True)\n"
-        "before = remapping()\n"
-        "status = tfmixprec.cpu_float16.status()\n"
-        f"tfmixprec.audit({str(tmp_path / 'model.keras')!r})\n"
-        "print(before == remapping(),"
-        " status == tfmixprec.cpu_float16.status())\n"
+    _config_changed(
+        tmp_path / "model.keras",
+        tmp_path / "fails.keras",
+        lambda config: config["compile_config"].update(unknown_argument=1),
     )
-    done = _python(["-c", code])
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["True", "True"]
+    fresh_settings()
+    # (cpu_float16.status() reads the global policy, which sets it: its switches are read here)
+    before, switches = tf.config.optimizer.get_experimental_options(), dict(cpu_float16._STATE)
+    assert "remapping" not in before
+    for name, code in [("model.keras", 0), ("fails.keras", 2)]:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            assert cli.main(["audit", str(tmp_path / name)]) == code
+        assert tf.config.optimizer.get_experimental_options() == before
+        assert global_state.get_global_attribute("dtype_policy") is None
+        assert cpu_float16._STATE == switches
 
 
 def test_a_legacy_h5_file_with_code_in_its_training_config_is_refused(tmp_path):

@@ -21,6 +21,7 @@ from tfmixprec._common.layers import (
 )
 from tfmixprec._common.observe import Observation, observe, policies_swapped
 from tfmixprec._common.text import docs_page, markdown_table
+from tfmixprec._keras.settings import settings_kept
 from tfmixprec.checks.model_file import load_model_file
 from tfmixprec.precision import cpu_bfloat16, cpu_float16, float8, float8_recipe
 from tfmixprec.precision.cpu_route import route_of
@@ -864,16 +865,17 @@ def audit(
     >>> report = tfmixprec.audit(model)
     >>> print(report)
     """
-    followers = None
-    if isinstance(model, (str, os.PathLike)):
-        # Compiling a file's model through tfmixprec turns the remapper off on a CPU: the
-        # audit leaves the process as it found it.
-        with cpu_float16.process_state_kept():
+    # The audit leaves the process as it found it: compiling a file's model through tfmixprec
+    # turns grappler's remapper off on a CPU, loading one sets Keras's global policy for a
+    # while, and reading the global policy sets it where it was unset.
+    with settings_kept(), cpu_float16.process_state_kept():
+        followers = None
+        if isinstance(model, (str, os.PathLike)):
             model, followers = load_model_file(model)
-    context = _context(model, policy, hardware, followers)
-    return AuditReport(
-        model=model.name,
-        policy=context.policy or context.model_policy,
-        findings=_run_checks(model, context),
-        layers=[_layer_dtypes(layer, context) for layer in context.layers],
-    )
+        context = _context(model, policy, hardware, followers)
+        return AuditReport(
+            model=model.name,
+            policy=context.policy or context.model_policy,
+            findings=_run_checks(model, context),
+            layers=[_layer_dtypes(layer, context) for layer in context.layers],
+        )

@@ -26,6 +26,7 @@ import keras
 
 from tfmixprec._common.layers import iter_layers
 from tfmixprec._keras.saving import ARCHIVE_CONFIG, ARCHIVE_WEIGHTS, saved_optimizer_wrapped
+from tfmixprec._keras.settings import global_policy, restore_global_policy
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
@@ -322,15 +323,15 @@ def _policy_entry(dtype: Any) -> tuple[str, Any] | None:
 @contextlib.contextmanager
 def _global_policy(name: str | None) -> Iterator[None]:
     """Keras's global policy set to `name` inside the block (unchanged for None or a name
-    Keras does not take), the previous one back after it."""
-    previous = keras.config.dtype_policy()
+    Keras does not take), the previous one back after it (unset where it was unset)."""
+    previous = global_policy()
     try:
         if name is not None:
             with contextlib.suppress(ValueError, TypeError):
                 keras.config.set_dtype_policy(name)
         yield
     finally:
-        keras.config.set_dtype_policy(previous)
+        restore_global_policy(previous)
 
 
 def _compile(model: keras.Model, compile_config: dict[str, Any], wrapped: bool | None) -> None:
