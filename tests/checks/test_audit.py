@@ -199,6 +199,124 @@ def test_conv_embedding_attention_alignment():
     assert report.errors == []
 
 
+def _image_stem(channels, between):
+    """Images of `channels` channels through the layers `between()` makes, then a convolution
+    at stride 2 ("stem") and one at stride 1 ("body"), all under mixed_float16."""
+    tfmixprec.set_policy("mixed_float16")
+    image = keras.Input((16, 16, channels))
+    x = image
+    for layer in between():
+        x = layer(x)
+    x = keras.layers.Conv2D(16, 3, strides=2, name="stem")(x)
+    x = keras.layers.Conv2D(16, 3, name="body")(x)
+    out = keras.layers.Dense(8, dtype="float32", name="out")(keras.layers.Flatten()(x))
+    return keras.Model(image, out)
+
+
+@pytest.mark.parametrize(
+    "channels, between, fix",
+    [
+        # Keras's EfficientNetV2 stem: the image reaches it through a Rescaling and a
+        # Normalization, which keep its channels.
+        (
+            3,
+            lambda: [
+                keras.layers.Rescaling(1 / 255),
+                keras.layers.Normalization(mean=[0.5, 0.5, 0.5], variance=[0.25, 0.25, 0.25]),
+            ],
+            4,
+        ),
+        (
+            3,
+            lambda: [
+                keras.layers.Resizing(14, 14),
+                keras.layers.ZeroPadding2D(1),
+                keras.layers.BatchNormalization(),
+                keras.layers.Activation("relu"),
+            ],
+            4,
+        ),
+        (4, lambda: [keras.layers.RandomFlip(), keras.layers.CenterCrop(12, 12)], None),
+        # A convolution of 3 filters on the image makes new features: the stem is not first.
+        (3, lambda: [keras.layers.Conv2D(3, 1, name="mix")], 8),
+    ],
+    ids=["rescaling-normalization", "resizing-padding-norm-relu", "flip-crop", "convolution"],
+)
+def test_an_images_first_convolution_behind_layers_that_keep_its_channels(channels, between, fix):
+    report = tfmixprec.audit(_image_stem(channels, between), hardware=A100)
+    stem = [(f.message, f.fix) for f in report.warnings if f.layer == "stem"]
+    if fix is None:
+        assert stem == []
+    elif fix == 4:
+        assert stem == [
+            (
+                "input channels (a first convolution's, at stride >= 2) is 3, not a multiple "
+                "of 4: Tensor Cores run float16 convolutions fastest on multiples of 4.",
+                "Pad input channels (a first convolution's, at stride >= 2) to 4.",
+            )
+        ]
+    else:
+        assert stem == [
+            (
+                "input channels is 3, not a multiple of 8: Tensor Cores run float16 "
+                "convolutions fastest on multiples of 8.",
+                "Pad input channels to 8.",
+            )
+        ]
+
+
+def test_efficientnetv2_stem_is_an_images_first_convolution():
+    """keras.applications' EfficientNetV2B0 reads the image through a Rescaling and a
+    Normalization: its stem convolution (3 channels, stride 2) is held to 4 channels, the
+    squeeze-and-excitation convolutions to 8."""
+    tfmixprec.set_policy("mixed_float16")
+    model = keras.applications.EfficientNetV2B0(weights=None, input_shape=(32, 32, 3), classes=8)
+    report = tfmixprec.audit(model, hardware=A100)
+    squeezed = [("4a", 16)] + [(block, 32) for block in ("5b", "5c", "5d", "5e", "6a")]
+    assert [(f.severity, f.code, f.layer, f.fix) for f in report.findings] == [
+        (
+            "error",
+            "low-precision-softmax",
+            "predictions",
+            "Call tfmixprec.float32_outputs(model), or give this layer dtype='float32'.",
+        ),
+        (
+            "warning",
+            "tensor-core-alignment",
+            "stem_conv",
+            "Pad input channels (a first convolution's, at stride >= 2) to 4.",
+        ),
+        *[
+            finding
+            for block, size in squeezed
+            for finding in (
+                (
+                    "warning",
+                    "tensor-core-alignment",
+                    f"block{block}_se_reduce",
+                    f"Pad filters to {size}.",
+                ),
+                (
+                    "warning",
+                    "tensor-core-alignment",
+                    f"block{block}_se_expand",
+                    f"Pad input channels to {size}.",
+                ),
+            )
+        ],
+        (
+            "info",
+            "not-compiled",
+            None,
+            "Compile with tfmixprec.LossScaleOptimizer(your_optimizer).",
+        ),
+    ]
+    assert report.warnings[0].message == (
+        "input channels (a first convolution's, at stride >= 2) is 3, not a multiple of 4: "
+        "Tensor Cores run float16 convolutions fastest on multiples of 4."
+    )
+
+
 def test_einsum_sizes_are_the_lowered_matmul_sizes():
     """Grouped-query attention projections: the heads they keep are batch dimensions of the
     matmul, so 2 heads of 16 make N = 32 (Llama), 1 head of 16 N = 16 (Gemma)."""

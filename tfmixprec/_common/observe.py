@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -70,6 +70,7 @@ class LayerCall:
         input_sources: Tuple of `(layer, call index)` or None, one for each floating-point
             tensor of its first argument: the leaf call that made it (None: a model input,
             or an operation outside any layer).
+        input_last_dims: Tuple. The last dimension of each of those tensors.
     """
 
     layer: Any
@@ -77,11 +78,7 @@ class LayerCall:
     output_last_dims: tuple[int | None, ...]
     float_input: bool
     input_sources: tuple[tuple[Any, int] | None, ...] = ()
-
-    @property
-    def takes_model_inputs(self) -> bool:
-        """True when no layer made its inputs (it reads the model's inputs)."""
-        return all(source is None for source in self.input_sources)
+    input_last_dims: tuple[int | None, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +117,21 @@ class Observation:
 
     def calls_of(self, layer: Any) -> list[LayerCall]:
         return [call for call in self.calls if call.layer is layer]
+
+    def reads_model_inputs(self, call: LayerCall, through: Callable[[LayerCall], bool]) -> bool:
+        """Whether `call` reads the model's inputs: each of its floating-point inputs is one,
+        or was made from them by earlier leaf calls that each satisfy `through`."""
+        pending, seen = list(call.input_sources), set()
+        while pending:
+            source = pending.pop()
+            if source is None or source[1] in seen:
+                continue
+            seen.add(source[1])
+            earlier = self.calls[source[1]]
+            if not through(earlier):
+                return False
+            pending += earlier.input_sources
+        return True
 
 
 def observe(model: keras.Model) -> Observation:
@@ -211,9 +223,10 @@ class _CallRecorder:
             LayerCall(
                 layer,
                 tuple(_dtype_name(t) for t in floats),
-                tuple(t.shape[-1] if len(t.shape) else None for t in floats),
+                tuple(_last_dim(t) for t in floats),
                 bool(first) and _floating(first[0]),
                 sources,
+                tuple(_last_dim(t) for t in inputs),
             )
         )
         self.inputs.append([id(t) for t in inputs])
@@ -248,6 +261,10 @@ def _floating(tensor: Any) -> bool:
     return dtype is not None and keras.backend.standardize_dtype(dtype).startswith(
         ("float", "bfloat")
     )
+
+
+def _last_dim(tensor: Any) -> int | None:
+    return tensor.shape[-1] if len(tensor.shape) else None
 
 
 def _dtype_name(tensor: Any) -> str:

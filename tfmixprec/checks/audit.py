@@ -19,7 +19,7 @@ from tfmixprec._common.layers import (
     is_container,
     iter_layers,
 )
-from tfmixprec._common.observe import Observation, observe, policies_swapped
+from tfmixprec._common.observe import LayerCall, Observation, observe, policies_swapped
 from tfmixprec._common.text import docs_page, markdown_table
 from tfmixprec._keras.settings import settings_kept
 from tfmixprec.checks.model_file import load_model_file
@@ -193,17 +193,36 @@ def _convolution_sizes(layer: Any, context: _AuditContext) -> list[tuple[str, in
     group is a convolution of its own). NVIDIA's guide: multiples of 8 for float16, except the
     first layer of a CNN on 3-channel images, where 4 suffice at a stride of 2 or more
     (reported against 4 there: `_padded` rounds to the size's own alignment): a convolution
-    that reads the model's inputs, as the observed call shows."""
+    that reads the model's inputs, as the observed call shows, itself or through layers that
+    keep the image's channels (`_hands_on_channels`: a `Rescaling` and a `Normalization` in
+    front of EfficientNetV2's stem)."""
     transpose = "Transpose" in type(layer).__name__
     groups = 1 if transpose else getattr(layer, "groups", 1) or 1
     channels = int(layer.kernel.shape[-1] if transpose else layer.kernel.shape[-2])  # per group
     per = " per group" if groups > 1 else ""
     filters = ("filters" + per, layer.filters // groups)
     strides = tuple(getattr(layer, "strides", (1,)) or (1,))
-    first = any(call.takes_model_inputs for call in context.observation.calls_of(layer))
+    observation = context.observation
+    first = any(
+        observation.reads_model_inputs(call, _hands_on_channels)
+        for call in observation.calls_of(layer)
+    )
     if first and channels <= IMAGE_CHANNELS and min(strides) >= 2 and not transpose:
         return [filters, (IMAGE_INPUT, channels)]
     return [filters, ("input channels" + per, channels)]
+
+
+def _hands_on_channels(call: LayerCall) -> bool:
+    """Whether a leaf call hands on an image with the channels it read: one floating-point
+    input, every output as wide (its last dimension), and no kernel (a convolution or a
+    `Dense` makes new features, even as many): a `Rescaling`, `Normalization`, `Resizing`,
+    `RandomFlip`, `CenterCrop`, padding, cropping, pooling, `BatchNormalization` or
+    `Activation`. An image's first convolution is the first behind these."""
+    if len(call.input_last_dims) != 1 or any(
+        hasattr(call.layer, kernel) for kernel in ("kernel", "pointwise_kernel")
+    ):
+        return False
+    return all(dim == call.input_last_dims[0] for dim in call.output_last_dims)
 
 
 def _reverse_projection_sizes(layer: Any, context: _AuditContext) -> list[tuple[str, int]]:
