@@ -1174,7 +1174,8 @@ def test_a_file_whose_call_on_zeros_passes_the_budget_is_audited_without_it(tmp_
     )
     assert report.findings[0].fix == (
         "Check the outputs' dtypes on a real batch: model(batch).dtype. For a file you trust, "
-        "audit it in Python: tfmixprec.audit(model)."
+        "audit the model in Python, where the call has no budget: "
+        "tfmixprec.audit(keras.models.load_model(path))."
     )
     # Under the recommended policy too, no call: the softmax output in bfloat16 is read from
     # the graph.

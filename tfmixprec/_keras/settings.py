@@ -15,9 +15,9 @@ import tensorflow as tf
 from keras.src.backend.common import global_state
 
 # Why: TensorFlow keeps the grappler options set in this process in the eager context's
-# private `_optimizer_experimental_options`; `tf.config.optimizer.get_experimental_options()`
-# reports an option set to its default like one never set only for some options, and
-# `set_experimental_options` can set an option but never unset it.
+# private `_optimizer_experimental_options`: `tf.config.optimizer.set_experimental_options`
+# sets an option but cannot unset one, so an option the process never set could only be put
+# back as its default, which is another setting (the audit once left `remapping` True).
 from tensorflow.python.eager import context
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API

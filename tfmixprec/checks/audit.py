@@ -589,7 +589,10 @@ def _unobserved(model: keras.Model, context: _AuditContext) -> list[Finding]:
     fix = "Check the outputs' dtypes on a real batch: model(batch).dtype."
     if not context.observation.called:
         message = f"{error}, so {symbolic}"
-        fix += " For a file you trust, audit it in Python: tfmixprec.audit(model)."
+        fix += (
+            " For a file you trust, audit the model in Python, where the call has no budget: "
+            "tfmixprec.audit(keras.models.load_model(path))."
+        )
     else:
         message = f"calling the model on a batch of zeros failed ({error[:200]}), so {symbolic}"
     return [Finding("info", "unobserved", None, message, fix)]
