@@ -1,6 +1,8 @@
 """Tests of `tfmixprec.audit`: each problem on a model built to have it, none on a clean one."""
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import subprocess
@@ -12,11 +14,15 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+from keras.src.backend.common import global_state
+from tensorflow.python.eager import context as tf_context
 
 import tfmixprec
 from tfmixprec._common.observe import observe
-from tfmixprec.precision import float8_recipe
+from tfmixprec.precision import cpu_float16, float8_recipe
 from tfmixprec.precision.hardware import GPUInfo, HardwareInfo
+from tfmixprec.tools import cli
 
 # The model's own findings, the same on any machine; the machine's are tested on their own.
 A100 = HardwareInfo(gpus=(GPUInfo("NVIDIA A100", (8, 0)),))
@@ -191,6 +197,124 @@ def test_conv_embedding_attention_alignment():
     # bfloat16 needs no loss scaling and the output is float32. The embedding lookup is a
     # gather: no matmul sizes.
     assert report.errors == []
+
+
+def _image_stem(channels, between):
+    """Images of `channels` channels through the layers `between()` makes, then a convolution
+    at stride 2 ("stem") and one at stride 1 ("body"), all under mixed_float16."""
+    tfmixprec.set_policy("mixed_float16")
+    image = keras.Input((16, 16, channels))
+    x = image
+    for layer in between():
+        x = layer(x)
+    x = keras.layers.Conv2D(16, 3, strides=2, name="stem")(x)
+    x = keras.layers.Conv2D(16, 3, name="body")(x)
+    out = keras.layers.Dense(8, dtype="float32", name="out")(keras.layers.Flatten()(x))
+    return keras.Model(image, out)
+
+
+@pytest.mark.parametrize(
+    "channels, between, fix",
+    [
+        # Keras's EfficientNetV2 stem: the image reaches it through a Rescaling and a
+        # Normalization, which keep its channels.
+        (
+            3,
+            lambda: [
+                keras.layers.Rescaling(1 / 255),
+                keras.layers.Normalization(mean=[0.5, 0.5, 0.5], variance=[0.25, 0.25, 0.25]),
+            ],
+            4,
+        ),
+        (
+            3,
+            lambda: [
+                keras.layers.Resizing(14, 14),
+                keras.layers.ZeroPadding2D(1),
+                keras.layers.BatchNormalization(),
+                keras.layers.Activation("relu"),
+            ],
+            4,
+        ),
+        (4, lambda: [keras.layers.RandomFlip(), keras.layers.CenterCrop(12, 12)], None),
+        # A convolution of 3 filters on the image makes new features: the stem is not first.
+        (3, lambda: [keras.layers.Conv2D(3, 1, name="mix")], 8),
+    ],
+    ids=["rescaling-normalization", "resizing-padding-norm-relu", "flip-crop", "convolution"],
+)
+def test_an_images_first_convolution_behind_layers_that_keep_its_channels(channels, between, fix):
+    report = tfmixprec.audit(_image_stem(channels, between), hardware=A100)
+    stem = [(f.message, f.fix) for f in report.warnings if f.layer == "stem"]
+    if fix is None:
+        assert stem == []
+    elif fix == 4:
+        assert stem == [
+            (
+                "input channels (a first convolution's, at stride >= 2) is 3, not a multiple "
+                "of 4: Tensor Cores run float16 convolutions fastest on multiples of 4.",
+                "Pad input channels (a first convolution's, at stride >= 2) to 4.",
+            )
+        ]
+    else:
+        assert stem == [
+            (
+                "input channels is 3, not a multiple of 8: Tensor Cores run float16 "
+                "convolutions fastest on multiples of 8.",
+                "Pad input channels to 8.",
+            )
+        ]
+
+
+def test_efficientnetv2_stem_is_an_images_first_convolution():
+    """keras.applications' EfficientNetV2B0 reads the image through a Rescaling and a
+    Normalization: its stem convolution (3 channels, stride 2) is held to 4 channels, the
+    squeeze-and-excitation convolutions to 8."""
+    tfmixprec.set_policy("mixed_float16")
+    model = keras.applications.EfficientNetV2B0(weights=None, input_shape=(32, 32, 3), classes=8)
+    report = tfmixprec.audit(model, hardware=A100)
+    squeezed = [("4a", 16)] + [(block, 32) for block in ("5b", "5c", "5d", "5e", "6a")]
+    assert [(f.severity, f.code, f.layer, f.fix) for f in report.findings] == [
+        (
+            "error",
+            "low-precision-softmax",
+            "predictions",
+            "Call tfmixprec.float32_outputs(model), or give this layer dtype='float32'.",
+        ),
+        (
+            "warning",
+            "tensor-core-alignment",
+            "stem_conv",
+            "Pad input channels (a first convolution's, at stride >= 2) to 4.",
+        ),
+        *[
+            finding
+            for block, size in squeezed
+            for finding in (
+                (
+                    "warning",
+                    "tensor-core-alignment",
+                    f"block{block}_se_reduce",
+                    f"Pad filters to {size}.",
+                ),
+                (
+                    "warning",
+                    "tensor-core-alignment",
+                    f"block{block}_se_expand",
+                    f"Pad input channels to {size}.",
+                ),
+            )
+        ],
+        (
+            "info",
+            "not-compiled",
+            None,
+            "Compile with tfmixprec.LossScaleOptimizer(your_optimizer).",
+        ),
+    ]
+    assert report.warnings[0].message == (
+        "input channels (a first convolution's, at stride >= 2) is 3, not a multiple of 4: "
+        "Tensor Cores run float16 convolutions fastest on multiples of 4."
+    )
 
 
 def test_einsum_sizes_are_the_lowered_matmul_sizes():
@@ -821,29 +945,68 @@ def test_an_unbuilt_sublayer_and_auto_under_given_hardware():
     assert tfmixprec.audit(model, policy="auto", hardware=v100).policy == "mixed_float16"
 
 
-def test_auditing_a_file_leaves_the_process_as_it_was(tmp_path):
+@pytest.fixture
+def fresh_settings():
+    """A function that makes this process's settings as a fresh process has them: grappler's
+    remapping option and Keras's global policy unset, tfmixprec's CPU float16 switches at
+    their start; everything as it was after the test."""
+    options = tf_context.context()._optimizer_experimental_options
+    policy = global_state.get_global_attribute("dtype_policy")
+    saved = (dict(options), dict(cpu_float16._STATE), policy)
+
+    def unset():
+        options.pop("remapping", None)
+        tf.config.optimizer.set_experimental_options({})  # functions re-read the options
+        cpu_float16._STATE.update(enabled=True, remapper_was=None)
+        global_state.set_global_attribute("dtype_policy", None)
+
+    yield unset
+    options.clear()
+    options.update(saved[0])
+    tf.config.optimizer.set_experimental_options({})
+    cpu_float16._STATE.update(saved[1])
+    global_state.set_global_attribute("dtype_policy", saved[2])
+
+
+def _config_changed(path, out, change):
+    """A copy of the .keras file `path` at `out`, its config.json changed by `change(config)`."""
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    config = json.loads(members["config.json"])
+    change(config)
+    members["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(out, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+
+
+def test_auditing_a_file_leaves_every_setting_as_it_found_it(tmp_path, fresh_settings):
     """Compiling a saved float16 MixedPrecisionModel goes through tfmixprec's compile, which
-    turns grappler's remapper off on a CPU: the audit puts it back (a fresh process, where it
-    was on)."""
+    turns grappler's remapper off on a CPU, and loading it sets Keras's global policy for a
+    while: after `tfmixprec audit FILE` in this process, done or failed once the remapper was
+    off (a compile argument Keras does not take), every option is as it was, an unset one
+    unset."""
     with tfmixprec.policy_scope("mixed_float16"):
         inputs = keras.Input((8,))
         outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(8)(inputs))
         model = tfmixprec.MixedPrecisionModel(inputs, outputs)
         model.compile(optimizer="sgd", loss="mse")
     model.save(tmp_path / "model.keras")
-    code = (
-        "import tensorflow as tf, tfmixprec\n"
-        "options = tf.config.optimizer.get_experimental_options\n"
-        "remapping = lambda: options().get('remapping', True)\n"
-        "before = remapping()\n"
-        "status = tfmixprec.cpu_float16.status()\n"
-        f"tfmixprec.audit({str(tmp_path / 'model.keras')!r})\n"
-        "print(before == remapping(),"
-        " status == tfmixprec.cpu_float16.status())\n"
+    _config_changed(
+        tmp_path / "model.keras",
+        tmp_path / "fails.keras",
+        lambda config: config["compile_config"].update(unknown_argument=1),
     )
-    done = _python(["-c", code])
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["True", "True"]
+    fresh_settings()
+    # (cpu_float16.status() reads the global policy, which sets it: its switches are read here)
+    before, switches = tf.config.optimizer.get_experimental_options(), dict(cpu_float16._STATE)
+    assert "remapping" not in before
+    for name, code in [("model.keras", 0), ("fails.keras", 2)]:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            assert cli.main(["audit", str(tmp_path / name)]) == code
+        assert tf.config.optimizer.get_experimental_options() == before
+        assert global_state.get_global_attribute("dtype_policy") is None
+        assert cpu_float16._STATE == switches
 
 
 def test_a_legacy_h5_file_with_code_in_its_training_config_is_refused(tmp_path):
@@ -921,20 +1084,167 @@ def test_bombs_are_refused_before_anything_is_read(tmp_path):
         tfmixprec.audit(tmp_path / "weights.keras")
 
 
+def _kib(size):
+    return f"{size / 1024:.1f} KiB"
+
+
+def _held_kib(path):
+    """What a small .keras file holds of its weights, as the refusal says it (KiB)."""
+    with zipfile.ZipFile(path) as archive:
+        return _kib(archive.getinfo("model.weights.h5").compress_size)
+
+
+def _wide(units):
+    return lambda config: config["config"]["layers"][1]["config"].update(units=units)
+
+
+def test_a_file_declaring_weights_it_does_not_hold_is_refused(tmp_path):
+    """A small file whose config declares a Dense of 2^24 units on 6 inputs: 448 MiB of
+    weights that loading would allocate, past the 256 MiB the audit allocates for a file
+    beyond what it holds. Refused before anything is built (.keras and legacy .h5), in one
+    line on the command line."""
+    import h5py
+
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="d")])
+    model.save(tmp_path / "m.keras")
+    model.save(tmp_path / "m.h5")
+    _config_changed(tmp_path / "m.keras", tmp_path / "wide.keras", _wide(1 << 24))
+    with h5py.File(tmp_path / "m.h5", "r+") as file:
+        config = json.loads(file.attrs["model_config"])
+        _wide(1 << 24)(config)
+        file.attrs["model_config"] = json.dumps(config)
+    held = {"wide.keras": _held_kib(tmp_path / "m.keras")}
+    held["m.h5"] = _kib((tmp_path / "m.h5").stat().st_size)  # the weights are in the file
+    said = {}
+    for name in ["wide.keras", "m.h5"]:
+        with pytest.raises(ValueError) as caught:
+            tfmixprec.audit(tmp_path / name)
+        said[name] = str(caught.value)
+        assert said[name] == (
+            f"{str(tmp_path / name)!r} declares 448.0 MiB of weights (the largest: the kernel of "
+            f"layer 'd', shape (6, 16777216) float32, 384.0 MiB) but holds {held[name]}: "
+            "loading it would allocate the rest, past the 256.0 MiB the audit allocates for a "
+            "file beyond the bytes it holds. If you trust the file, audit it in Python: "
+            "tfmixprec.audit(keras.models.load_model(path))."
+        )
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert cli.main(["audit", str(tmp_path / "wide.keras")]) == 2
+    assert err.getvalue() == f"tfmixprec audit: error: {said['wide.keras']}\n"
+
+
+def test_a_file_holding_its_weights_is_audited_whatever_their_size(tmp_path, monkeypatch):
+    """The budget is for what a file declares beyond the bytes it holds: with the budget set to
+    1 KiB, a file Keras wrote (2 KiB of weights, stored) is audited, and the same config with
+    a weights member of nothing is refused."""
+    from tfmixprec.checks import model_file
+
+    monkeypatch.setattr(model_file, "DECLARED_BUDGET", 1024)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, name="d")])
+    model.save(tmp_path / "m.keras")  # 16 x 32 + 32 float32: 2.1 KiB
+    assert tfmixprec.audit(tmp_path / "m.keras").layers[0].layer == "d"
+    with zipfile.ZipFile(tmp_path / "m.keras") as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    with zipfile.ZipFile(tmp_path / "empty.keras", "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, b"" if name == "model.weights.h5" else data)
+    with pytest.raises(ValueError, match=r"declares 2.1 KiB of weights .* but holds 0.0 KiB"):
+        tfmixprec.audit(tmp_path / "empty.keras")
+
+
+_SYMBOLIC = (
+    "so its outputs' dtypes are Keras's symbolic ones, which a real call can contradict (a "
+    "layer may return float32 under a float16 policy)."
+)
+
+
+def test_a_file_whose_call_on_zeros_passes_the_budget_is_audited_without_it(tmp_path):
+    """The issue's file: no weights, a declared 6000 x 6000 input. Its call on zeros would hold
+    the batch (275 MiB) and the softmax's output: the audit reads the model's graph instead,
+    and says so; the command exits with the findings' code."""
+    model = keras.Sequential([keras.Input((6000, 6000)), keras.layers.Softmax(name="probs")])
+    model.save(tmp_path / "m.keras")
+    report = tfmixprec.audit(tmp_path / "m.keras", hardware=A100)
+    assert _codes(report) == [("info", "unobserved", None), ("info", "float32-model", None)]
+    assert report.findings[0].message == (
+        "the audit did not call the model on a batch of zeros: for its declared inputs "
+        "(None, 6000, 6000) float32, that call would hold 549.3 MiB of tensors (the batch and "
+        "its layers' outputs, unknown sizes 2), past the 256.0 MiB the audit spends on a "
+        f"file's call, {_SYMBOLIC}"
+    )
+    assert report.findings[0].fix == (
+        "Check the outputs' dtypes on a real batch: model(batch).dtype. For a file you trust, "
+        "audit the model in Python, where the call has no budget: "
+        "tfmixprec.audit(keras.models.load_model(path))."
+    )
+    # Under the recommended policy too, no call: the softmax output in bfloat16 is read from
+    # the graph.
+    assert "the audit finds 1 error, 1 info: low-precision-softmax [probs] (error), " in (
+        report.findings[1].message
+    )
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["audit", str(tmp_path / "m.keras")]) == 0
+    assert "INFO    unobserved: the audit did not call the model on a batch of zeros" in (
+        out.getvalue()
+    )
+
+
+@pytest.mark.parametrize("features, called", [(1 << 24, True), ((1 << 24) + (1 << 16), False)])
+def test_the_call_budget_counts_the_batch_and_each_layers_outputs(tmp_path, features, called):
+    """A ReLU of 2^24 float32 features: its batch of zeros (2 rows) and its output hold
+    exactly 256 MiB, the budget, and the model is called; 2^16 features more (257 MiB), not."""
+    model = keras.Sequential([keras.Input((features,)), keras.layers.ReLU(name="relu")])
+    model.save(tmp_path / "m.keras")
+    report = tfmixprec.audit(tmp_path / "m.keras", hardware=A100)
+    assert [f.code for f in report.findings] == ["unobserved"] * (not called) + ["float32-model"]
+    if not called:
+        assert report.findings[0].message.startswith(
+            "the audit did not call the model on a batch of zeros: for its declared inputs "
+            "(None, 16842752) float32, that call would hold 257.0 MiB of tensors"
+        )
+
+
+# How far one file may grow the fuzzing process's peak memory, and the whole run over its
+# baseline (the peak after auditing the seed and a 6 x 6 softmax). Measured on an AMD EPYC: a
+# bomb at most 0.5 MiB, the 400 mutated files 13 MiB in all, over a baseline of 720 MiB; a
+# bomb the audit did not bound grows it by its declared size (the 6000 x 6000 softmax by about
+# 1000 MiB). The margins are for another CPU's kernels and allocator, far below any bomb.
+BOMB_GROWTH_MIB, RUN_GROWTH_MIB = 64, 128
+
+
 def test_fuzzed_files_end_in_a_documented_exit_code(tmp_path):
     """400 mutated .keras and .h5 files (bit flips, truncations, re-zipped with members
-    dropped, doubled, renamed or added, configs mutated to name code and odd values) through
-    `tfmixprec audit FILE`, in one process whose folder holds packages named like trusted
-    ones: each ends with exit 0, 1 or 2 within seconds, nothing escapes the command, nothing
-    is imported, and memory stays bounded."""
+    dropped, doubled, renamed or added, configs mutated to name code and odd values) and
+    declared-shape bombs (configs of small files that declare huge inputs, units, filters,
+    kernels, vocabularies or upsampling) through `tfmixprec audit FILE`, in one process whose
+    folder holds packages named like trusted ones: each ends with exit 0, 1 or 2 within
+    seconds, nothing escapes the command, nothing is imported, each bomb is refused for its
+    weights or audited without its call, and the process's memory stays within a measured
+    margin of its baseline."""
     worker = Path(__file__).resolve().parents[1] / "workers" / "fuzz_audit.py"
     args = [str(worker), "--out", str(tmp_path), "--files", "400", "--seed", "0"]
     done = _python(args, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads((tmp_path / "fuzz.json").read_text())
-    escaped = [(r["file"], r["escaped"]) for r in found["results"] if r["escaped"]]
-    assert escaped == []
-    assert {r["code"] for r in found["results"]} <= {0, 1, 2}
+    files = found["baseline"] + found["bombs"] + found["results"]
+    assert [(r["file"], r["escaped"]) for r in files if r["escaped"]] == []
+    assert {r["code"] for r in files} <= {0, 1, 2}
     assert found["ran"] == []  # no marker: no planted package was imported
-    assert max(r["seconds"] for r in found["results"]) < 30
-    assert found["peak_mib"] < 4096
+    assert max(r["seconds"] for r in files) < 30
+    assert [(r["file"], r["code"]) for r in found["baseline"]] == [
+        ("seed.keras", 1),  # its float16 softmax output
+        ("softmax-6x6.keras", 0),
+    ]
+    for bomb in found["bombs"]:  # refused in one line for its weights, or not called
+        error = bomb["error"]
+        if bomb["expected"] == "refuse":
+            assert bomb["code"] == 2 and error.count("\n") == 1, bomb
+            assert error.startswith("tfmixprec audit: error: '"), bomb
+            assert "MiB of weights (the largest: " in error, bomb
+        else:
+            assert bomb["code"] in (0, 1) and bomb["uncalled"], bomb
+    assert [bomb["expected"] for bomb in found["bombs"]].count("skip the call") == 4
+    grown = {r["file"]: round(r["grew_mib"]) for r in found["bombs"]}
+    assert max(grown.values()) <= BOMB_GROWTH_MIB, grown
+    assert found["peak_mib"] - found["baseline_mib"] <= RUN_GROWTH_MIB

@@ -1,12 +1,16 @@
 """Fuzzing `tfmixprec audit FILE` (tests/checks/test_audit.py): mutated `.keras` and `.h5`
-files, each audited in this one process through the command's own code
+files, and declared-shape bombs (small files whose configs declare huge inputs, layer sizes
+or weights), each audited in this one process through the command's own code
 (`tfmixprec.tools.cli.main`).
 
 Run in a folder that holds packages named like trusted ones (`keras_cv/`, `keras_nlp/`) and an
 `evil/` package, each of which writes a marker file when imported: the mutations name their
-modules, and none may ever run. For each file it records the exit code, the seconds it took,
-and anything that escaped the command (a traceback); at the end, the process's peak memory.
-Writes fuzz.json to --out.
+modules, and none may ever run. First it audits the seed file (a valid 6-input model) and a
+softmax of a 6 x 6 input: the process's peak memory after them is the baseline. Then the
+bombs, then the mutations; for each file it records the exit code, the seconds it took, how
+far the process's peak memory grew while it ran (MiB, from `getrusage`), whether the report
+says the model was not called, the error line, and anything that escaped the command (a
+traceback). Writes fuzz.json to --out.
 
     python tests/workers/fuzz_audit.py --out DIR --files 200 --seed 0
 """
@@ -57,6 +61,94 @@ def seeds(folder: Path) -> tuple[bytes, bytes]:
     model.save(folder / "seed.keras")
     model.save(folder / "seed.h5")
     return (folder / "seed.keras").read_bytes(), (folder / "seed.h5").read_bytes()
+
+
+# ------------------------------------------------------------------ declared-shape bombs
+def small_models(folder: Path) -> dict[str, bytes]:
+    """Small real models whose configs the bombs change, each saved as .keras (and the seed as
+    .h5), as bytes."""
+    layers = keras.layers
+    models = {
+        "conv": [
+            keras.Input((8, 8, 3)),
+            layers.Conv2D(8, 3, name="conv"),
+            layers.Flatten(),
+            layers.Dense(3, name="out"),
+        ],
+        "embed": [
+            keras.Input((5,), dtype="int32"),
+            layers.Embedding(50, 8, name="embed"),
+            layers.Flatten(),
+            layers.Dense(3, name="out"),
+        ],
+        "softmax": [keras.Input((6, 6)), layers.Softmax(name="probs")],
+        "upsample": [
+            keras.Input((8, 8, 3)),
+            layers.UpSampling2D(2, name="up"),
+            layers.Conv2D(8, 1, name="conv"),
+        ],
+    }
+    found = {}
+    for name, stack in models.items():
+        keras.Sequential(stack).save(folder / f"{name}.keras")
+        found[name] = (folder / f"{name}.keras").read_bytes()
+    return found
+
+
+def _config_set(data: bytes, changes: list[tuple[int, str, object]]) -> bytes:
+    """A .keras file's bytes with its config changed: `(layer index, key, value)` each, its
+    layers' build configs dropped (so Keras builds them from the new sizes)."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        members = [(name, archive.read(name)) for name in archive.namelist()]
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for name, body in members:
+            if name == "config.json":
+                config = json.loads(body)
+                config["config"].pop("build_input_shape", None)
+                for layer in config["config"]["layers"]:
+                    layer.pop("build_config", None)
+                for index, key, value in changes:
+                    config["config"]["layers"][index]["config"][key] = value
+                body = json.dumps(config).encode()
+            archive.writestr(name, body)
+    return out.getvalue()
+
+
+def _h5_config_set(data: bytes, changes: list[tuple[int, str, object]], folder: Path) -> bytes:
+    """The same for a legacy .h5 file's model_config."""
+    path = folder / "bomb.h5"
+    path.write_bytes(data)
+    with h5py.File(path, "r+") as file:
+        config = json.loads(file.attrs["model_config"])
+        config["config"].pop("build_input_shape", None)
+        for index, key, value in changes:
+            config["config"]["layers"][index]["config"][key] = value
+        file.attrs["model_config"] = json.dumps(config)
+    return path.read_bytes()
+
+
+def bombs(keras_file: bytes, h5_file: bytes, small: dict[str, bytes], folder: Path):
+    """`(name, bytes, what the audit must do)` of each declared-shape bomb, made from the seed
+    and the `small_models`: "refuse" (weights the file does not hold, exit 2) or "skip the
+    call" (a call on zeros past the budget)."""
+    big_input = (0, "batch_shape", [None, 6000, 6000, 6])  # still 6 features: its weights fit
+    huge_image = (0, "batch_shape", [None, 20000, 20000, 3])
+    issue = [(0, "batch_shape", [None, 6000, 6000])]  # the issue's file: no weights at all
+    yield "softmax-6000x6000.keras", _config_set(small["softmax"], issue), "skip the call"
+    yield "input-6000x6000x6.keras", _config_set(keras_file, [big_input]), "skip the call"
+    yield "units-1e9.keras", _config_set(keras_file, [(1, "units", 10**9)]), "refuse"
+    yield "units-2^26.keras", _config_set(keras_file, [(1, "units", 1 << 26)]), "refuse"
+    yield "filters-1e8.keras", _config_set(small["conv"], [(1, "filters", 10**8)]), "refuse"
+    kernel = [(1, "kernel_size", [3000, 3000]), (0, "batch_shape", [None, 3000, 3000, 3])]
+    yield "kernel-3000.keras", _config_set(small["conv"], kernel), "refuse"
+    yield "image-20000.keras", _config_set(small["conv"], [huge_image]), "refuse"
+    yield "vocabulary-1e9.keras", _config_set(small["embed"], [(1, "input_dim", 10**9)]), "refuse"
+    yield "width-1e7.keras", _config_set(small["embed"], [(1, "output_dim", 10**7)]), "refuse"
+    upsample = [(1, "size", [3000, 3000])]
+    yield "upsample-3000.keras", _config_set(small["upsample"], upsample), "skip the call"
+    yield "input-6000x6000x6.h5", _h5_config_set(h5_file, [big_input], folder), "skip the call"
+    yield "units-1e9.h5", _h5_config_set(h5_file, [(1, "units", 10**9)], folder), "refuse"
 
 
 # ------------------------------------------------------------------ mutations
@@ -172,15 +264,44 @@ def mutations(rng: random.Random, keras_file: bytes, h5_file: bytes, n: int, fol
         yield f"{i}.keras", data
 
 
-def audit(path: Path) -> tuple[int | None, str | None]:
-    """The command's exit code, or what escaped it (never expected)."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+def audit(path: Path) -> tuple[int | None, str, str, str | None]:
+    """The command's exit code, what it printed to stdout and to stderr, or what escaped it
+    (never expected)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            return cli.main(["audit", str(path)]), None
+            code, escaped = cli.main(["audit", str(path)]), None
         except SystemExit as exit_:
-            return exit_.code, None
+            code, escaped = exit_.code, None
         except BaseException:  # noqa: BLE001  (recorded: the test fails on any)
-            return None, traceback.format_exc()[-2000:]
+            code, escaped = None, traceback.format_exc()[-2000:]
+    return code, out.getvalue(), err.getvalue(), escaped
+
+
+def peak_mib() -> float:
+    """The process's peak resident memory so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def audited(folder: Path, name: str, data: bytes) -> dict:
+    """One file through the command: its exit code, seconds, the growth of the process's
+    peak memory while it ran (MiB), whether the report says the model was not called, the
+    error line, what escaped."""
+    path = folder / f"fuzz-{name}"
+    path.write_bytes(data)
+    before, start = peak_mib(), time.perf_counter()
+    code, printed, error, escaped = audit(path)
+    seconds, grew = time.perf_counter() - start, peak_mib() - before
+    path.unlink()
+    return {
+        "file": name,
+        "code": code,
+        "seconds": seconds,
+        "grew_mib": grew,
+        "uncalled": "unobserved: the audit did not call the model" in printed,
+        "error": error,
+        "escaped": escaped,
+    }
 
 
 def main() -> None:
@@ -192,21 +313,24 @@ def main() -> None:
     folder = Path.cwd()
     plant_packages(folder)
     keras_file, h5_file = seeds(folder)
+    small = small_models(folder)
+    baseline = [audited(folder, "seed.keras", keras_file)]  # and a 6 x 6 input's softmax:
+    baseline.append(audited(folder, "softmax-6x6.keras", small["softmax"]))
+    baseline_mib = peak_mib()
+    found = [
+        dict(audited(folder, name, data), expected=what)
+        for name, data, what in bombs(keras_file, h5_file, small, folder)
+    ]
     rng = random.Random(args.seed)
-    results = []
-    for name, data in mutations(rng, keras_file, h5_file, args.files, folder):
-        path = folder / f"fuzz-{name}"
-        path.write_bytes(data)
-        start = time.perf_counter()
-        code, escaped = audit(path)
-        results.append(
-            {"file": name, "code": code, "seconds": time.perf_counter() - start, "escaped": escaped}
-        )
-        path.unlink()
+    results = [
+        audited(folder, name, data)
+        for name, data in mutations(rng, keras_file, h5_file, args.files, folder)
+    ]
     ran = [name for name in PACKAGES if (folder / f"{name}.ran").exists()]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    summary = {"baseline": baseline, "bombs": found, "results": results, "ran": ran}
+    summary.update(baseline_mib=baseline_mib, peak_mib=peak_mib())
     with open(Path(args.out) / "fuzz.json", "w") as f:
-        json.dump({"results": results, "ran": ran, "peak_mib": peak}, f)
+        json.dump(summary, f)
 
 
 if __name__ == "__main__":

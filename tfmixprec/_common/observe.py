@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
-from tfmixprec._common.layers import CALLS_LOCK, all_layers, watch_leaf_calls
+from tfmixprec._common.layers import CALLS_LOCK, all_layers, is_container, watch_leaf_calls
 from tfmixprec._keras.graph import (
     build_shapes,
     call_losses,
+    node_outputs,
     producing_layer,
     producing_output_index,
     set_call_losses,
@@ -70,6 +73,7 @@ class LayerCall:
         input_sources: Tuple of `(layer, call index)` or None, one for each floating-point
             tensor of its first argument: the leaf call that made it (None: a model input,
             or an operation outside any layer).
+        input_last_dims: Tuple. The last dimension of each of those tensors.
     """
 
     layer: Any
@@ -77,11 +81,7 @@ class LayerCall:
     output_last_dims: tuple[int | None, ...]
     float_input: bool
     input_sources: tuple[tuple[Any, int] | None, ...] = ()
-
-    @property
-    def takes_model_inputs(self) -> bool:
-        """True when no layer made its inputs (it reads the model's inputs)."""
-        return all(source is None for source in self.input_sources)
+    input_last_dims: tuple[int | None, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +110,33 @@ class Observation:
         calls: Tuple of `LayerCall`, in the order the leaf calls ended (empty when the call
             could not run and the outputs were read from the functional graph instead).
         error: String or None. None when the call ran; else why it failed (a functional
-            model that cannot take inputs of zeros, e.g. sizes it checks), and the outputs'
-            dtypes are the ones Keras inferred symbolically.
+            model that cannot take inputs of zeros, e.g. sizes it checks) or was not made,
+            and the outputs' dtypes are the ones Keras inferred symbolically.
+        called: Bool. False when the call was not made (`unobserved`: `error` says why).
     """
 
     outputs: tuple[ModelOutput, ...]
     calls: tuple[LayerCall, ...]
     error: str | None = None
+    called: bool = True
 
     def calls_of(self, layer: Any) -> list[LayerCall]:
         return [call for call in self.calls if call.layer is layer]
+
+    def reads_model_inputs(self, call: LayerCall, through: Callable[[LayerCall], bool]) -> bool:
+        """Whether `call` reads the model's inputs: each of its floating-point inputs is one,
+        or was made from them by earlier leaf calls that each satisfy `through`."""
+        pending, seen = list(call.input_sources), set()
+        while pending:
+            source = pending.pop()
+            if source is None or source[1] in seen:
+                continue
+            seen.add(source[1])
+            earlier = self.calls[source[1]]
+            if not through(earlier):
+                return False
+            pending += earlier.input_sources
+        return True
 
 
 def observe(model: keras.Model) -> Observation:
@@ -164,6 +181,61 @@ def observe(model: keras.Model) -> Observation:
         if output.layer is None and graph_outputs is not None and index < len(graph_outputs):
             outputs[index] = dataclasses.replace(output, layer=graph_outputs[index].layer)
     return Observation(tuple(outputs), tuple(recorder.calls))
+
+
+def unobserved(model: keras.Model, reason: str) -> Observation:
+    """What `observe` would have shown of a functional model, without calling it: its
+    outputs' dtypes as Keras infers them symbolically (`reason`: why not called).
+
+    Raises:
+        ValueError: For a subclassed model, whose outputs only a call shows.
+    """
+    outputs = _graph_outputs(model)
+    if outputs is None:
+        raise ValueError(
+            f"{reason}; a subclassed model ({model.name!r}) shows its outputs only in a call."
+        )
+    return Observation(tuple(outputs), (), reason, called=False)
+
+
+def call_bytes(model: keras.Model) -> tuple[int, str]:
+    """The bytes of the tensors one `observe` of a built model keeps until it returns: its
+    batch of zeros and each leaf layer's outputs in the model's graph, unknown sizes
+    `UNKNOWN_SIZE` (what a layer computes inside, such as attention's scores, not counted);
+    and the inputs' shapes and dtypes as text (`"(None, 6000, 6000) float32"`). Reads the
+    graph only: for a model whose variables hold no values too."""
+    inputs = _input_specs(model)
+    outputs = [
+        (tensor.shape, _dtype_name(tensor))
+        for layer in all_layers(model)
+        if not is_container(layer) and not isinstance(layer, keras.layers.InputLayer)
+        for tensor in node_outputs(layer)
+    ]
+    total = sum(tensor_bytes(shape, dtype) for shape, dtype in inputs + outputs)
+    return total, ", ".join(f"{tuple(shape)} {dtype}" for shape, dtype in inputs)
+
+
+def tensor_bytes(shape: Any, dtype: str) -> int:
+    """The bytes of a tensor of `shape` (unknown sizes `UNKNOWN_SIZE`) and `dtype`."""
+    try:
+        itemsize = tf.as_dtype(dtype).size
+    except TypeError:  # a dtype TensorFlow does not name: counted as float32
+        itemsize = 4
+    return math.prod(_size(dim) for dim in shape) * itemsize
+
+
+def _input_specs(model: keras.Model) -> list[tuple[Any, str]]:
+    """`(shape, dtype)` of each input `observe` makes zeros for (see `_zeros_like_inputs`)."""
+    try:
+        specs = keras.tree.flatten(model.input)
+    except (AttributeError, ValueError):
+        specs = []
+    if specs:
+        return [(spec.shape, _dtype_name(spec)) for spec in specs]
+    found: list[tuple[Any, str]] = []
+    for shapes in (build_shapes(model) or {}).values():
+        keras.tree.map_shape_structure(lambda shape: found.append((shape, "float32")), shapes)
+    return found
 
 
 @contextlib.contextmanager
@@ -211,9 +283,10 @@ class _CallRecorder:
             LayerCall(
                 layer,
                 tuple(_dtype_name(t) for t in floats),
-                tuple(t.shape[-1] if len(t.shape) else None for t in floats),
+                tuple(_last_dim(t) for t in floats),
                 bool(first) and _floating(first[0]),
                 sources,
+                tuple(_last_dim(t) for t in inputs),
             )
         )
         self.inputs.append([id(t) for t in inputs])
@@ -250,6 +323,10 @@ def _floating(tensor: Any) -> bool:
     )
 
 
+def _last_dim(tensor: Any) -> int | None:
+    return tensor.shape[-1] if len(tensor.shape) else None
+
+
 def _dtype_name(tensor: Any) -> str:
     return keras.backend.standardize_dtype(tensor.dtype)
 
@@ -283,16 +360,16 @@ def _leaf_producer(tensor: Any) -> Any:
     return layer if isinstance(layer, keras.layers.Layer) else None
 
 
-_UNKNOWN_SIZE = 2  # a size-1 axis takes other code paths (and Keras warns of some)
+UNKNOWN_SIZE = 2  # a size-1 axis takes other code paths (and Keras warns of some)
 
 
 def _size(dim: int | None) -> int:
-    return _UNKNOWN_SIZE if dim is None else dim
+    return UNKNOWN_SIZE if dim is None else dim
 
 
 def _zeros_like_inputs(model: keras.Model) -> Any:
     """A batch of zeros in the structure, shapes and dtypes of the model's inputs (unknown
-    sizes `_UNKNOWN_SIZE`)."""
+    sizes `UNKNOWN_SIZE`)."""
     try:
         specs = model.input
     except (AttributeError, ValueError):

@@ -70,3 +70,13 @@ def set_call_losses(layer: Any, losses: list[Any]) -> None:
     """Puts back what `call_losses` returned."""
     if hasattr(layer, "_losses"):
         layer._losses[:] = losses
+
+
+def node_outputs(layer: Any) -> list[Any]:
+    """The symbolic tensors `layer` returned in the functional graphs it was called in.
+
+    Why: Keras records a layer's calls in a graph only in its private `_inbound_nodes`.
+    """
+    return [
+        tensor for node in getattr(layer, "_inbound_nodes", []) for tensor in node.output_tensors
+    ]

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
+
+import keras
+import tensorflow as tf
+
+# Why: `declared_model` builds a legacy .h5 file's config the way Keras's own legacy loader
+# does (its `saving_utils.model_from_config`): the public deserializer takes Keras 3 configs
+# only.
+from keras.src.legacy.saving.saving_utils import model_from_config
 
 # Why: keras-team/keras#20585 (see `MultiWorkerFit`): tfmixprec's fix must apply exactly where
 # Keras's trainer takes its multi-worker path, so it asks Keras's own test.
@@ -28,3 +38,16 @@ def saved_optimizer_wrapped(weights: Any) -> bool | None:
     if "optimizer" not in weights:
         return None
     return "inner_optimizer" in weights["optimizer"]
+
+
+@contextlib.contextmanager
+def declared_model(config: dict[str, Any], legacy: bool) -> Iterator[Any]:
+    """The model a saved config declares, built in a TensorFlow graph of its own that never
+    runs: each variable has its shape and dtype but holds no memory (its initializer is an
+    operation of that graph), and each tensor of its graph is symbolic. `legacy`: a legacy
+    .h5 file's config. Valid inside the block only."""
+    with tf.Graph().as_default():
+        if legacy:
+            yield model_from_config(config)
+        else:
+            yield keras.saving.deserialize_keras_object(config, safe_mode=True)

@@ -19,8 +19,15 @@ from tfmixprec._common.layers import (
     is_container,
     iter_layers,
 )
-from tfmixprec._common.observe import Observation, observe, policies_swapped
+from tfmixprec._common.observe import (
+    LayerCall,
+    Observation,
+    observe,
+    policies_swapped,
+    unobserved,
+)
 from tfmixprec._common.text import docs_page, markdown_table
+from tfmixprec._keras.settings import settings_kept
 from tfmixprec.checks.model_file import load_model_file
 from tfmixprec.precision import cpu_bfloat16, cpu_float16, float8, float8_recipe
 from tfmixprec.precision.cpu_route import route_of
@@ -192,17 +199,36 @@ def _convolution_sizes(layer: Any, context: _AuditContext) -> list[tuple[str, in
     group is a convolution of its own). NVIDIA's guide: multiples of 8 for float16, except the
     first layer of a CNN on 3-channel images, where 4 suffice at a stride of 2 or more
     (reported against 4 there: `_padded` rounds to the size's own alignment): a convolution
-    that reads the model's inputs, as the observed call shows."""
+    that reads the model's inputs, as the observed call shows, itself or through layers that
+    keep the image's channels (`_hands_on_channels`: a `Rescaling` and a `Normalization` in
+    front of EfficientNetV2's stem)."""
     transpose = "Transpose" in type(layer).__name__
     groups = 1 if transpose else getattr(layer, "groups", 1) or 1
     channels = int(layer.kernel.shape[-1] if transpose else layer.kernel.shape[-2])  # per group
     per = " per group" if groups > 1 else ""
     filters = ("filters" + per, layer.filters // groups)
     strides = tuple(getattr(layer, "strides", (1,)) or (1,))
-    first = any(call.takes_model_inputs for call in context.observation.calls_of(layer))
+    observation = context.observation
+    first = any(
+        observation.reads_model_inputs(call, _hands_on_channels)
+        for call in observation.calls_of(layer)
+    )
     if first and channels <= IMAGE_CHANNELS and min(strides) >= 2 and not transpose:
         return [filters, (IMAGE_INPUT, channels)]
     return [filters, ("input channels" + per, channels)]
+
+
+def _hands_on_channels(call: LayerCall) -> bool:
+    """Whether a leaf call hands on an image with the channels it read: one floating-point
+    input, every output as wide (its last dimension), and no kernel (a convolution or a
+    `Dense` makes new features, even as many): a `Rescaling`, `Normalization`, `Resizing`,
+    `RandomFlip`, `CenterCrop`, padding, cropping, pooling, `BatchNormalization` or
+    `Activation`. An image's first convolution is the first behind these."""
+    if len(call.input_last_dims) != 1 or any(
+        hasattr(call.layer, kernel) for kernel in ("kernel", "pointwise_kernel")
+    ):
+        return False
+    return all(dim == call.input_last_dims[0] for dim in call.output_last_dims)
 
 
 def _reverse_projection_sizes(layer: Any, context: _AuditContext) -> list[tuple[str, int]]:
@@ -550,17 +576,25 @@ def _float32_on_purpose(model: keras.Model, context: _AuditContext) -> list[Find
 
 
 def _unobserved(model: keras.Model, context: _AuditContext) -> list[Finding]:
-    """`unobserved` (info): the model could not be called on a batch of zeros, so its outputs'
-    dtypes are the ones Keras infers symbolically (which a real call can contradict)."""
+    """`unobserved` (info): the model could not be called on a batch of zeros, or the audit of
+    a file did not call it (past `DECLARED_BUDGET`), so its outputs' dtypes are the ones Keras
+    infers symbolically (which a real call can contradict)."""
     error = context.observation.error
     if error is None:
         return []
-    message = (
-        f"calling the model on a batch of zeros failed ({error[:200]}), so its outputs' dtypes "
-        "are Keras's symbolic ones, which a real call can contradict (a layer may return "
-        "float32 under a float16 policy)."
+    symbolic = (
+        "its outputs' dtypes are Keras's symbolic ones, which a real call can contradict (a "
+        "layer may return float32 under a float16 policy)."
     )
     fix = "Check the outputs' dtypes on a real batch: model(batch).dtype."
+    if not context.observation.called:
+        message = f"{error}, so {symbolic}"
+        fix += (
+            " For a file you trust, audit the model in Python, where the call has no budget: "
+            "tfmixprec.audit(keras.models.load_model(path))."
+        )
+    else:
+        message = f"calling the model on a batch of zeros failed ({error[:200]}), so {symbolic}"
     return [Finding("info", "unobserved", None, message, fix)]
 
 
@@ -668,7 +702,8 @@ def _float32_model(model: keras.Model, context: _AuditContext) -> list[Finding]:
             "policy='mixed_float16' or 'mixed_bfloat16' (tfmixprec audit FILE --policy ...)."
         )
         return [Finding("info", "float32-model", None, message, fix)]
-    found = _run_checks(model, _context(model, choice.name, None, context.followers))
+    skipped = None if context.observation.called else context.observation.error
+    found = _run_checks(model, _context(model, choice.name, None, context.followers, skipped))
     shown = [f"{f.code} [{f.layer or 'model'}] ({f.severity})" for f in found]
     what = "nothing to change" if not found else f"{_count(found)}: " + ", ".join(shown[:5])
     message = (
@@ -734,18 +769,25 @@ def _followers(model: keras.Model, layers: Sequence[Any]) -> frozenset[int]:
 
 
 def _observe_as_audited(
-    model: keras.Model, layers: Sequence[Any], policy: str | None, followers: frozenset[int]
+    model: keras.Model,
+    layers: Sequence[Any],
+    policy: str | None,
+    followers: frozenset[int],
+    skipped: str | None = None,
 ) -> Observation:
     """`observe(model)`, with the layers that follow the model's own policy computing in
-    `policy` for the call (their own policies back after it). Where the call cannot run, the
-    outputs' symbolic dtypes are those of the model as built: the outputs of layers that
-    follow it are taken to be in `policy`'s compute dtype."""
-    if policy is None:
-        return observe(model)
+    `policy` for the call (their own policies back after it); no call where `skipped` says
+    why not. Where the call cannot run, the outputs' symbolic dtypes are those of the model as
+    built: the outputs of layers that follow it are taken to be in `policy`'s compute dtype."""
     swapped = [layer for layer in [model, *layers] if id(layer.dtype_policy) in followers]
-    with policies_swapped(swapped, policy):
-        observation = observe(model)
-    if observation.error is None:
+    if skipped is not None:
+        observation = unobserved(model, skipped)
+    elif policy is None:
+        return observe(model)
+    else:
+        with policies_swapped(swapped, policy):
+            observation = observe(model)
+    if observation.error is None or policy is None:
         return observation
     follow = {id(layer) for layer in swapped}
     compute = keras.DTypePolicy(policy).compute_dtype
@@ -761,9 +803,11 @@ def _context(
     policy: str | None,
     hardware: HardwareInfo | None,
     followers: frozenset[int] | None = None,
+    skipped: str | None = None,
 ) -> _AuditContext:
     """Checks `audit`'s arguments and gathers what the checks read (`followers`: see
-    `_followers`; a saved model's are read from its file)."""
+    `_followers`; a saved model's are read from its file; `skipped`: why not to call the
+    model, for a file past `DECLARED_BUDGET`)."""
     if policy is not None:
         policy = check_policy_name(policy)
         if policy == "auto":
@@ -774,7 +818,7 @@ def _context(
         machine = detect_hardware() if hardware is None else hardware
     layers = [lyr for lyr in iter_layers(model) if not isinstance(lyr, keras.layers.InputLayer)]
     followers = _followers(model, layers) if followers is None else followers
-    observation = _observe_as_audited(model, layers, policy, followers)
+    observation = _observe_as_audited(model, layers, policy, followers, skipped)
     return _AuditContext(
         model_policy=model.dtype_policy.name,
         policy=policy,
@@ -844,7 +888,10 @@ def audit(
             compiled as Keras compiled it (its saved optimizer says whether Keras wrapped it
             in a `LossScaleOptimizer`), and never with code from the file: a file that holds
             code (a `Lambda` layer's bytecode) or needs classes from outside Keras and
-            tfmixprec is refused.
+            tfmixprec is refused. What its config declares is measured before anything is
+            built (docs/guides/audit-in-ci.md): weights the file does not hold, past 256 MiB,
+            are refused, and a call on zeros whose tensors would pass 256 MiB is not made
+            (an `unobserved` info says so).
         policy: String. Audit as if the model had been built under this policy (`"auto"`
             allowed): layers that follow the model's own policy are assumed to follow this
             one; layers with a policy of their own keep it. `None` audits the model as it is,
@@ -857,23 +904,25 @@ def audit(
     Raises:
         TypeError: If `model` is not a `keras.Model` or a path.
         ValueError: If the model is not built, `policy` is unknown, or the file cannot be
-            audited (missing, a directory, not a model, holds code, does not load).
+            audited (missing, a directory, not a model, holds code, declares weights it does
+            not hold, does not load).
 
     Example:
 
     >>> report = tfmixprec.audit(model)
     >>> print(report)
     """
-    followers = None
-    if isinstance(model, (str, os.PathLike)):
-        # Compiling a file's model through tfmixprec turns the remapper off on a CPU: the
-        # audit leaves the process as it found it.
-        with cpu_float16.process_state_kept():
-            model, followers = load_model_file(model)
-    context = _context(model, policy, hardware, followers)
-    return AuditReport(
-        model=model.name,
-        policy=context.policy or context.model_policy,
-        findings=_run_checks(model, context),
-        layers=[_layer_dtypes(layer, context) for layer in context.layers],
-    )
+    # The audit leaves the process as it found it: compiling a file's model through tfmixprec
+    # turns grappler's remapper off on a CPU, loading one sets Keras's global policy for a
+    # while, and reading the global policy sets it where it was unset.
+    with settings_kept(), cpu_float16.process_state_kept():
+        followers = skipped = None
+        if isinstance(model, (str, os.PathLike)):
+            model, followers, skipped = load_model_file(model)
+        context = _context(model, policy, hardware, followers, skipped)
+        return AuditReport(
+            model=model.name,
+            policy=context.policy or context.model_policy,
+            findings=_run_checks(model, context),
+            layers=[_layer_dtypes(layer, context) for layer in context.layers],
+        )

@@ -25,7 +25,14 @@ import h5py
 import keras
 
 from tfmixprec._common.layers import iter_layers
-from tfmixprec._keras.saving import ARCHIVE_CONFIG, ARCHIVE_WEIGHTS, saved_optimizer_wrapped
+from tfmixprec._common.observe import UNKNOWN_SIZE, call_bytes, tensor_bytes
+from tfmixprec._keras.saving import (
+    ARCHIVE_CONFIG,
+    ARCHIVE_WEIGHTS,
+    declared_model,
+    saved_optimizer_wrapped,
+)
+from tfmixprec._keras.settings import global_policy, restore_global_policy
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
@@ -33,28 +40,35 @@ __all__: list[str] = []  # private module: nothing here is part of the package's
 TRUSTED_PACKAGES = ("keras", "keras_hub", "keras_cv", "keras_nlp", "tfmixprec", "builtins")
 
 
-def load_model_file(path: str | os.PathLike) -> tuple[keras.Model, frozenset[int]]:
+def load_model_file(
+    path: str | os.PathLike,
+) -> tuple[keras.Model, frozenset[int], str | None]:
     """Loads a saved model as it was saved, for `audit`.
 
     The model is loaded under its own saved policy (Keras gives a loaded Sequential or
     functional model the global policy, not the saved one) and compiled as Keras compiled it:
     its saved optimizer state says whether Keras wrapped the optimizer in a
     `LossScaleOptimizer` (the compile config names only the optimizer passed to `compile`).
-    The optimizer's saved variables are not loaded: the audit reads none.
+    The optimizer's saved variables are not loaded: the audit reads none. Before anything is
+    built, what the config declares is measured against `DECLARED_BUDGET` (`_declared_costs`).
 
     Returns:
-        `(model, followers)`: the `id()`s of the policy objects of the layers that follow the
-        model's own policy in the file (see `_saved_policies`).
+        `(model, followers, unobserved)`: the `id()`s of the policy objects of the layers that
+        follow the model's own policy in the file (see `_saved_policies`), and why the audit
+        must not call the model (None when it may).
 
     Raises:
         ValueError: If the path is missing, a directory or not a model file, if the file holds
-            code or needs classes from outside Keras and tfmixprec, or if it does not load.
+            code or needs classes from outside Keras and tfmixprec, if it declares more
+            weights than it holds and `DECLARED_BUDGET` allows, or if it does not load.
     """
     path = Path(path)
     with _load_errors(path):  # a malformed config fails in many ways: one ValueError
         config, compile_config, wrapped = _read(path)
         _refuse_code(path, config)
         policy, follow = _saved_policies(config.get("config"))
+    with _global_policy(policy), _load_errors(path):
+        unobserved = _declared_costs(path, config)
     with _global_policy(policy), _load_errors(path), warnings.catch_warnings():
         # The optimizer's saved variables are not the audit's to load: a KerasHub task, which
         # compiles itself when built, makes Keras say it skips them.
@@ -63,7 +77,85 @@ def load_model_file(path: str | os.PathLike) -> tuple[keras.Model, frozenset[int
         if compile_config:
             _compile(model, compile_config, wrapped)
     layers = iter_layers(model)
-    return model, frozenset(id(lyr.dtype_policy) for lyr in layers if lyr.name in follow)
+    followers = frozenset(id(lyr.dtype_policy) for lyr in layers if lyr.name in follow)
+    return model, followers, unobserved
+
+
+# What a file may make the audit allocate beyond the bytes it holds, for the weights its config
+# declares and for the tensors of the one call on zeros: loading builds what the config
+# declares (a 1 kB file can declare a 6000 x 6000 input or a Dense of 10^9 units), and the
+# call makes a batch of zeros of the declared input shapes. 256 MiB holds the call of a
+# ResNet-50 at 224 x 224 in float16 (142 MiB: its batch and its layers' outputs, batch 2)
+# and not the batch of zeros alone of a 6000 x 6000 float32 input (275 MiB); a fixed size, so
+# a file gets the same verdict on every machine. Past it:
+# - weights the file does not hold are refused (exit 2): loading allocates them, and nothing
+#   of the model can be audited without loading it. Keras stores the weights uncompressed,
+#   so a file Keras wrote holds all of its weights, however large;
+# - a call is not made: the model is audited from its graph, as one that cannot take zeros,
+#   and the report says so (an `unobserved` info). A large declared input is a real model's
+#   (a 3-D volume, a large image): refusing it would leave it without an audit, while
+#   Keras's symbolic dtypes still show most findings.
+DECLARED_BUDGET = 256 << 20
+
+
+def _declared_costs(path: Path, config: dict[str, Any]) -> str | None:
+    """Measures what `config` declares before anything of it is built (`declared_model`: a
+    model built in a graph that never runs, whose variables hold no memory and whose tensors
+    are symbolic): raises for weights past `DECLARED_BUDGET` beyond those the file holds, and
+    returns why the audit must not call the model when that call's tensors are past it (None
+    when it may)."""
+    legacy = not zipfile.is_zipfile(path)
+    declared = config if legacy else dict(config, compile_config=None)
+    with declared_model(declared, legacy) as model:
+        weights = _declared_weights(model)
+        call, inputs = call_bytes(model)
+    held = path.stat().st_size if legacy else _held_weights(path)
+    if sum(size for _, _, size in weights) > DECLARED_BUDGET + held:
+        raise ValueError(_too_many_weights(path, weights, held))
+    if call <= DECLARED_BUDGET:
+        return None
+    return (
+        f"the audit did not call the model on a batch of zeros: for its declared inputs "
+        f"{inputs}, that call would hold {_mib(call)} of tensors (the batch and its layers' "
+        f"outputs, unknown sizes {UNKNOWN_SIZE}), past the {_mib(DECLARED_BUDGET)} the audit "
+        "spends on a file's call"
+    )
+
+
+def _declared_weights(model: keras.Model) -> list[tuple[str, Any, int]]:
+    """`(layer name, variable, bytes)` for each variable of a declared model, named by the
+    innermost layer that holds it (a nested layer is walked after the layer around it)."""
+    owners = {}
+    for layer in [model, *iter_layers(model)]:
+        for variable in layer.weights:
+            owners[id(variable)] = (layer.name, variable)
+    return [(name, v, tensor_bytes(v.shape, v.dtype)) for name, v in owners.values()]
+
+
+def _too_many_weights(path: Path, weights: list[tuple[str, Any, int]], held: int) -> str:
+    """The one line that refuses a file declaring more weights than `_declared_costs` allows."""
+    layer, variable, size = max(weights, key=lambda weight: weight[2])
+    total = sum(size for _, _, size in weights)
+    return (
+        f"{str(path)!r} declares {_mib(total)} of weights (the largest: the {variable.name} of "
+        f"layer {layer!r}, shape {tuple(variable.shape)} {variable.dtype}, {_mib(size)}) but "
+        f"holds {_mib(held)}: loading it would allocate the rest, past the "
+        f"{_mib(DECLARED_BUDGET)} the audit allocates for a file beyond the bytes it holds. If "
+        "you trust the file, audit it in Python: tfmixprec.audit(keras.models.load_model(path))."
+    )
+
+
+def _held_weights(path: Path) -> int:
+    """The bytes a .keras file stores of its weights (its `model.weights.*` members, as stored,
+    compressed or not)."""
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+    return sum(info.compress_size for info in infos if info.filename.startswith("model.weights."))
+
+
+def _mib(size: int) -> str:
+    """`"448.0 MiB"` (`"9.8 KiB"` under 1 MiB)."""
+    return f"{size / 1024:.1f} KiB" if size < 1 << 20 else f"{size / (1 << 20):.1f} MiB"
 
 
 def _read(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, bool | None]:
@@ -322,15 +414,15 @@ def _policy_entry(dtype: Any) -> tuple[str, Any] | None:
 @contextlib.contextmanager
 def _global_policy(name: str | None) -> Iterator[None]:
     """Keras's global policy set to `name` inside the block (unchanged for None or a name
-    Keras does not take), the previous one back after it."""
-    previous = keras.config.dtype_policy()
+    Keras does not take), the previous one back after it (unset where it was unset)."""
+    previous = global_policy()
     try:
         if name is not None:
             with contextlib.suppress(ValueError, TypeError):
                 keras.config.set_dtype_policy(name)
         yield
     finally:
-        keras.config.set_dtype_policy(previous)
+        restore_global_policy(previous)
 
 
 def _compile(model: keras.Model, compile_config: dict[str, Any], wrapped: bool | None) -> None:

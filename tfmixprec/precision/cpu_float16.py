@@ -35,6 +35,7 @@ from tfmixprec._keras.kernels import (
     float32_convolution_call,
     float32_product_call,
 )
+from tfmixprec._keras.settings import optimizer_options, restore_optimizer_options
 from tfmixprec.precision.cpu_route import cpu_only, route, route_of
 from tfmixprec.precision.hardware import HardwareInfo
 
@@ -184,21 +185,16 @@ def disable() -> None:
 @contextlib.contextmanager
 def process_state_kept() -> Iterator[None]:
     """Within the block, this module may turn the remapper off (a model file compiled through
-    tfmixprec, say); after it, the remapper and this module's switches are as they were."""
-    remapping = _remapping()
+    tfmixprec, say); after it, grappler's options and this module's switches are as they
+    were: an option never set is unset again, not set to its default."""
+    options = optimizer_options()
     saved = dict(_STATE)
     try:
         yield
     finally:
-        if _remapping() != remapping:
-            tf.config.optimizer.set_experimental_options({"remapping": remapping})
+        restore_optimizer_options(options)
         _STATE.clear()
         _STATE.update(saved)
-
-
-def _remapping() -> bool:
-    """Whether grappler's remapper is on (TensorFlow's default when it was never set)."""
-    return bool(tf.config.optimizer.get_experimental_options().get("remapping", True))
 
 
 def status() -> dict[str, Any]:
