@@ -74,3 +74,23 @@ def _line(text):
     """The line of this file that holds `text`."""
     lines = open(__file__).read().splitlines()
     return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def test_the_audit_names_the_first_layer_and_operation_that_are_not_finite():
+    model, _ = _t5()
+    report = tfmixprec.audit(model)
+    [finding] = [f for f in report.findings if f.code == "nonfinite-output"]
+    assert (finding.severity, finding.layer) == ("error", "self_attention")
+    assert re.fullmatch(
+        r"a call on a batch of zeros returns NaN/Inf in float16: the first layer whose output "
+        r"is not finite is 'transformer_encoder_layer_0/self_attention', and its "
+        r"Mul at keras_hub/src/models/t5/t5_multi_head_attention\.py:\d+ is given a constant "
+        r"too large for float16: the model's own code, not float16's range of its values\.",
+        finding.message,
+    )
+    with tfmixprec.policy_scope("mixed_bfloat16"):  # bfloat16 holds -1e9: nothing to say
+        assert not [
+            f
+            for f in tfmixprec.audit(model, policy="mixed_bfloat16").findings
+            if f.code == "nonfinite-output"
+        ]

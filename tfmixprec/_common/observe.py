@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmixprec._common.arrays import nonfinite_count
 from tfmixprec._common.layers import CALLS_LOCK, all_layers, is_container, watch_leaf_calls
 from tfmixprec._keras.graph import (
     build_shapes,
@@ -29,6 +30,7 @@ from tfmixprec._keras.graph import (
     producing_output_index,
     set_call_losses,
 )
+from tfmixprec._keras.op_watch import first_nonfinite_op
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
@@ -74,6 +76,7 @@ class LayerCall:
             tensor of its first argument: the leaf call that made it (None: a model input,
             or an operation outside any layer).
         input_last_dims: Tuple. The last dimension of each of those tensors.
+        finite: Bool. Whether every value it returned was finite.
     """
 
     layer: Any
@@ -82,6 +85,7 @@ class LayerCall:
     float_input: bool
     input_sources: tuple[tuple[Any, int] | None, ...] = ()
     input_last_dims: tuple[int | None, ...] = ()
+    finite: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +117,21 @@ class Observation:
             model that cannot take inputs of zeros, e.g. sizes it checks) or was not made,
             and the outputs' dtypes are the ones Keras inferred symbolically.
         called: Bool. False when the call was not made (`unobserved`: `error` says why).
+        nonfinite: `NonfiniteOp` or None. Where the model's outputs held NaN/Inf: the first
+            float16/bfloat16 operation whose output was not finite (`_keras.op_watch`, from a
+            second call); else None.
     """
 
     outputs: tuple[ModelOutput, ...]
     calls: tuple[LayerCall, ...]
     error: str | None = None
     called: bool = True
+    nonfinite: Any = None
+
+    @property
+    def finite(self) -> bool:
+        """Whether every leaf call returned finite values (True where none was watched)."""
+        return all(call.finite for call in self.calls)
 
     def calls_of(self, layer: Any) -> list[LayerCall]:
         return [call for call in self.calls if call.layer is layer]
@@ -180,7 +193,12 @@ def observe(model: keras.Model) -> Observation:
     for index, output in enumerate(outputs):
         if output.layer is None and graph_outputs is not None and index < len(graph_outputs):
             outputs[index] = dataclasses.replace(output, layer=graph_outputs[index].layer)
-    return Observation(tuple(outputs), tuple(recorder.calls))
+    nonfinite = None
+    if nonfinite_count(result):  # where: a second call, each operation watched
+        with CALLS_LOCK, state_put_back(model), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            nonfinite = first_nonfinite_op(lambda: model(inputs, training=False))
+    return Observation(tuple(outputs), tuple(recorder.calls), nonfinite=nonfinite)
 
 
 def unobserved(model: keras.Model, reason: str) -> Observation:
@@ -287,6 +305,7 @@ class _CallRecorder:
                 bool(first) and _floating(first[0]),
                 sources,
                 tuple(_last_dim(t) for t in inputs),
+                nonfinite_count(floats) == 0,
             )
         )
         self.inputs.append([id(t) for t in inputs])

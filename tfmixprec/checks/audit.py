@@ -14,6 +14,7 @@ from typing import Any
 import keras
 
 from tfmixprec._common.layers import (
+    all_layers,
     check_built_model,
     float32_on_purpose,
     is_container,
@@ -27,6 +28,7 @@ from tfmixprec._common.observe import (
     unobserved,
 )
 from tfmixprec._common.text import docs_page, markdown_table
+from tfmixprec._keras.graph import all_sublayers
 from tfmixprec._keras.settings import settings_kept
 from tfmixprec.checks.model_file import load_model_file
 from tfmixprec.precision import cpu_bfloat16, cpu_float16, float8, float8_recipe
@@ -562,6 +564,49 @@ def _output_outside_layers(model: keras.Model, context: _AuditContext) -> list[F
     return [Finding("error", "low-precision-output", None, message, fix)]
 
 
+def _nonfinite_output(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    """A call on zeros whose float16/bfloat16 values are not finite: the first layer that
+    returned NaN/Inf, and the first such operation, with whether a constant of the model's
+    own code was too large for the dtype or its values passed the range (`op_watch`)."""
+    observation, op = context.observation, context.observation.nonfinite
+    if op is None or observation.finite:
+        return []  # finite, or not in float16/bfloat16: not the precision's
+    layer = _nonfinite_source(model, next(c for c in observation.calls if not c.finite))
+    at = f" at {op.where}" if op.where else ""
+    if op.constant:
+        why = (
+            f"its {op.operation}{at} is given a constant too large for {op.dtype}: the model's "
+            f"own code, not {op.dtype}'s range of its values"
+        )
+    elif op.inputs_finite:
+        why = f"its {op.operation}{at} passes {op.dtype}'s range"
+    else:
+        why = f"the first {op.dtype} operation that is not finite is {op.operation}{at}"
+    message = (
+        f"a call on a batch of zeros returns NaN/Inf in {op.dtype}: the first layer whose "
+        f"output is not finite is {layer.path!r}, and {why}."
+    )
+    fix = (
+        "Compute that layer in float32 (tfmixprec.calibrate(model, data) finds the layers and "
+        "explain_overflow says why), or use mixed_bfloat16."
+    )
+    return [Finding("error", "nonfinite-output", layer.name, message, fix)]
+
+
+def _nonfinite_source(model: keras.Model, call: LayerCall) -> Any:
+    """The layer that made `call`'s NaN/Inf: its own, or, where an input came from an
+    operation outside the leaf layers (an attention layer's own code around its dropout), the
+    innermost layer around it."""
+    if all(source is not None for source in call.input_sources):
+        return call.layer
+    around = [
+        outer
+        for outer in all_layers(model)
+        if outer is not model and any(part is call.layer for part in all_sublayers(outer))
+    ]
+    return min(around, key=lambda outer: len(all_sublayers(outer)), default=call.layer)
+
+
 def _float32_on_purpose(model: keras.Model, context: _AuditContext) -> list[Finding]:
     """`float32-on-purpose` (info): layers that `calibrate` or `PrecisionRepair` set to
     float32 because their values pass float16's range (recorded on the model in this
@@ -738,6 +783,7 @@ CHECKS: tuple[tuple[str, _Check], ...] = (
     ("layer", _float8_first_layer),
     ("layer", _float8_misaligned),
     ("model", _output_outside_layers),
+    ("model", _nonfinite_output),
     ("model", _unobserved),
     ("model", _float32_on_purpose),
     ("model", _loss_scaling),  # not-compiled / no-loss-scaling
