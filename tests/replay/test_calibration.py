@@ -8,8 +8,8 @@ import re
 import keras
 import numpy as np
 import pytest
+from overflow_models import C, loss_data, loss_model
 from overflow_models import data as _data
-from overflow_models import loss_data, loss_model
 from overflow_models import model as _model
 
 import tfmixprec
@@ -413,3 +413,39 @@ def test_a_loss_that_casts_to_float16_itself_is_named_not_fixed():
     with pytest.raises(ValueError, match="compiled with loss=<function .*has no dtype of its own"):
         moving.apply(model)
     assert _unbuilt_state(model) == before
+
+
+def test_a_plain_function_loss_computes_in_float32_as_fit_does():
+    """`compile(loss="mse")` on float16 outputs: Keras computes it in float32 (finite); the
+    replay does too, so the forward overflow is repaired, not called a loss overflow."""
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        big = keras.layers.Dense(16, name="big", kernel_initializer=C(10000.0), trainable=False)
+        proj = keras.layers.Dense(16, name="proj", kernel_initializer=C(1e-6), trainable=False)
+        outputs = keras.layers.Dense(1, name="out")(proj(big(inputs)))  # float16 outputs
+        model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.SGD(1e-6), "mse")
+    report = tfmixprec.calibrate(model, loss_data(8), steps=1, batch_size=8)
+    assert (report.cause, report.float32_layers, report.float32_loss) == (
+        "forward-overflow",
+        ("big", "proj"),
+        None,
+    )
+
+
+def test_a_custom_loss_keeps_what_its_config_leaves_out():
+    """An unregistered `Loss` subclass with an argument its config does not hold: the float32
+    trial is the same loss (its weight kept), not one rebuilt from its config."""
+
+    class Weighted(keras.losses.Loss):
+        def __init__(self, weight, **kwargs):
+            super().__init__(**kwargs)
+            self.weight = weight
+
+        def call(self, y_true, y_pred):
+            return self.weight * keras.ops.mean(keras.ops.square(y_pred - y_true), axis=-1)
+
+    model = loss_model(Weighted(0.5, dtype="float16"))  # 0.5 x 159201 still passes 65504
+    report = tfmixprec.calibrate(model, loss_data(), steps=1)
+    assert report.float32_loss.endswith("is inf on outputs that are finite, 7.96e+04 in float32")
+    assert model.loss.dtype == "float16" and model.loss.weight == 0.5

@@ -68,10 +68,10 @@ def test_explain_overflow_names_the_model_code():
     where = re.escape(LINE)
     assert re.fullmatch(
         r"the model's own code mixes dtypes in 'gate': Mul of a float16 and a float32 tensor "
-        rf"at \S*{where} \(TensorFlow does not promote dtypes\): not float16's range, the "
-        r"model's own code\. Computing the layers around that operation in float32 lets it run "
-        r"\(tfmixprec\.calibrate\(model, data\) finds the fewest\), or cast the tensor in that "
-        r"code\.",
+        rf"at \S*{where} \(TensorFlow does not promote dtypes\): not a value out of range, the "
+        r"model's own code\. Computing the layers around that operation in float32 may let it "
+        r"run \(tfmixprec\.calibrate\(model, data\) finds the fewest, or says none does\), or "
+        r"cast the tensor in that code\.",
         diagnosis.message,
     )
 
@@ -147,3 +147,55 @@ def test_kerashub_moe_decoders(name):
     report.apply(model)
     history = model.fit(x, y, batch_size=2, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
+
+
+class Switch(keras.layers.Layer):
+    """`Gate` where `mix` is True, else passes its input on: two of one class."""
+
+    def __init__(self, mix, **kwargs):
+        super().__init__(**kwargs)
+        self.mix = mix
+
+    def call(self, x, training=None):
+        if not (training and self.mix):
+            return x
+        return tf.multiply(x, keras.ops.cast(keras.ops.ones_like(x), "float32"))
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+def test_the_second_of_two_layers_of_a_class_is_named_when_it_raises():
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((4,))
+        hidden = Switch(False, name="quiet")(keras.layers.Dense(4, name="d1")(inputs))
+        hidden = Switch(True, name="mixing")(keras.layers.Dense(4, name="d2")(hidden))
+        model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(hidden))
+    model.compile("sgd", "mse")
+    assert tfmixprec.explain_overflow(model, _batch()).layer == "mixing"
+    assert tfmixprec.calibrate(model, _batch(), steps=1).float32_layers == ("mixing",)
+
+
+def test_a_clash_no_float32_layer_fixes_is_named_and_nothing_moves():
+    class Counts(keras.layers.Layer):
+        """Multiplies by an int32 tensor in every call: float32 does not help."""
+
+        def call(self, x):
+            return tf.multiply(x, tf.ones_like(x, dtype="int32"))
+
+        def compute_output_shape(self, shape):
+            return shape
+
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((4,))
+        hidden = Counts(name="counts")(keras.layers.Dense(4, name="dense")(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(hidden))
+    model.compile("sgd", "mse")
+    report = tfmixprec.calibrate(model, _batch(), steps=1)
+    assert (report.cause, report.float32_layers, report.layers) == ("model-code", (), ())
+    assert report.problem.startswith(
+        "the model's own code mixes dtypes in 'counts': Mul of a float16 and an int32 tensor"
+    )
+    assert report.problem.endswith(
+        ", and no layer in float32 lets the call run: cast the tensor in that code."
+    )

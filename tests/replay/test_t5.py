@@ -94,3 +94,17 @@ def test_the_audit_names_the_first_layer_and_operation_that_are_not_finite():
             for f in tfmixprec.audit(model, policy="mixed_bfloat16").findings
             if f.code == "nonfinite-output"
         ]
+
+
+def test_nan_on_zeros_in_float32_too_is_not_the_precisions():
+    """`x / sum(x)` is 0/0 on a batch of zeros in any dtype: no nonfinite-output error."""
+
+    class SumNorm(keras.layers.Layer):
+        def call(self, x):
+            return x / keras.ops.sum(x, axis=-1, keepdims=True)
+
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(8, name="dense")(SumNorm(name="norm")(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(hidden))
+    assert [f.code for f in tfmixprec.audit(model).errors if f.code == "nonfinite-output"] == []

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfmixprec._common.validate import check_bool
 from tfmixprec._keras.graph import all_sublayers
+from tfmixprec._keras.losses import as_compiled
 from tfmixprec._keras.patches import patch
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
@@ -125,14 +126,15 @@ def _called(layer: Any) -> str:
 
 
 def compiled_loss(model: Any, who: str) -> Callable[..., Any]:
-    """The model's compiled loss as a callable `(y_true, y_pred[, sample_weight])`.
+    """The model's compiled loss as a callable `(y_true, y_pred[, sample_weight])`, computed as
+    `fit` computes it: a plain function (or a string) as Keras wraps it (`_keras.losses`).
 
-    Raises:
-        ValueError: If the model was compiled without one single loss (`who` names the caller).
+        Raises:
+            ValueError: If the model was compiled without one single loss (`who` names the caller).
     """
     loss = getattr(model, "loss", None)
-    if isinstance(loss, (str, keras.losses.Loss)) or callable(loss):
-        return keras.losses.get(loss) if isinstance(loss, str) else loss
+    if isinstance(loss, (str, keras.losses.Loss)) or callable(loss):  # as fit computes it
+        return as_compiled(keras.losses.get(loss) if isinstance(loss, str) else loss)
     if loss is None:
         raise ValueError(
             f"{who} needs a loss, but model {model.name!r} is not compiled with one. Compile "

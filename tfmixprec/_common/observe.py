@@ -117,9 +117,9 @@ class Observation:
             model that cannot take inputs of zeros, e.g. sizes it checks) or was not made,
             and the outputs' dtypes are the ones Keras inferred symbolically.
         called: Bool. False when the call was not made (`unobserved`: `error` says why).
-        nonfinite: `NonfiniteOp` or None. Where the model's outputs held NaN/Inf: the first
-            float16/bfloat16 operation whose output was not finite (`_keras.op_watch`, from a
-            second call); else None.
+        nonfinite: `NonfiniteOp` or None. Where the model's outputs held NaN/Inf and are
+            finite with every layer in float32: the first float16/bfloat16 operation whose
+            output was not finite (`_keras.op_watch`, from a second call); else None.
     """
 
     outputs: tuple[ModelOutput, ...]
@@ -193,12 +193,25 @@ def observe(model: keras.Model) -> Observation:
     for index, output in enumerate(outputs):
         if output.layer is None and graph_outputs is not None and index < len(graph_outputs):
             outputs[index] = dataclasses.replace(output, layer=graph_outputs[index].layer)
-    nonfinite = None
-    if nonfinite_count(result):  # where: a second call, each operation watched
-        with CALLS_LOCK, state_put_back(model), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            nonfinite = first_nonfinite_op(lambda: model(inputs, training=False))
+    nonfinite = _precision_nonfinite(model, inputs) if nonfinite_count(result) else None
     return Observation(tuple(outputs), tuple(recorder.calls), nonfinite=nonfinite)
+
+
+def _precision_nonfinite(model: keras.Model, inputs: Any) -> Any:
+    """Where a call's outputs held NaN/Inf: the first float16/bfloat16 operation that was not
+    finite (a second call, each operation watched), where a third call with every layer in
+    float32 (quantized ones as they are) is finite; else None: not the precision's."""
+    plain = [
+        layer for layer in all_layers(model) if getattr(layer, "quantization_mode", None) is None
+    ]
+    with CALLS_LOCK, state_put_back(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = first_nonfinite_op(lambda: model(inputs, training=False))
+        if found is None:
+            return None
+        with policies_swapped(plain, "float32"):
+            finite32 = nonfinite_count(model(inputs, training=False)) == 0
+    return found if finite32 else None
 
 
 def unobserved(model: keras.Model, reason: str) -> Observation:

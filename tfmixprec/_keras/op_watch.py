@@ -25,7 +25,7 @@ from tensorflow.python.framework import op_callbacks
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
 _LOW = (tf.float16, tf.bfloat16)
-_MACHINERY = ("/tensorflow/", "/keras/src/", "/tfmixprec/", "/tf_keras/", "/absl/")
+_MACHINERY = ("/tensorflow/", "/keras/src/", "/tfmixprec/", "/tf_keras/", "/absl/", "/optree/")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -569,8 +569,8 @@ def _nonfinite_output(model: keras.Model, context: _AuditContext) -> list[Findin
     returned NaN/Inf, and the first such operation, with whether a constant of the model's
     own code was too large for the dtype or its values passed the range (`op_watch`)."""
     observation, op = context.observation, context.observation.nonfinite
-    if op is None or observation.finite:
-        return []  # finite, or not in float16/bfloat16: not the precision's
+    if op is None or observation.finite or not (op.constant or op.inputs_finite):
+        return []  # finite, not finite in float32 too, or from a non-finite input
     layer = _nonfinite_source(model, next(c for c in observation.calls if not c.finite))
     at = f" at {op.where}" if op.where else ""
     if op.constant:
@@ -578,10 +578,8 @@ def _nonfinite_output(model: keras.Model, context: _AuditContext) -> list[Findin
             f"its {op.operation}{at} is given a constant too large for {op.dtype}: the model's "
             f"own code, not {op.dtype}'s range of its values"
         )
-    elif op.inputs_finite:
+    else:  # every input finite
         why = f"its {op.operation}{at} passes {op.dtype}'s range"
-    else:
-        why = f"the first {op.dtype} operation that is not finite is {op.operation}{at}"
     message = (
         f"a call on a batch of zeros returns NaN/Inf in {op.dtype}: the first layer whose "
         f"output is not finite is {layer.path!r}, and {why}."

@@ -117,8 +117,9 @@ class Repair:
             return f"not repaired ({self.cause}): {self.message}"
         names = [f"{layer!r}{self._float8_note(layer)}" for layer in self.layers]
         names += ["the loss"] if self.float32_loss else []
+        said = ", ".join(names)
         verb = "computes" if names == ["the loss"] else "compute"
-        line = f"{', '.join(names)} now {verb} in float32 ({self.cause}: {self.message})"
+        line = f"{said} now {verb} in float32 ({self.cause}: {self.message})"
         if self.loss_scale > 0:  # 0: a fixed scale, left as it was
             line += f"; the loss scale goes on from {format_scale(self.loss_scale)}"
         return line
@@ -272,7 +273,7 @@ class PrecisionRepair(keras.callbacks.Callback):
         if found.cause == "none":
             return  # the scaled gradients overflowed: the dynamic scale absorbs it
         keys = layer_names(self.model)
-        message = found.problem or found.loss or f"{keys[id(layers[0])]!r}: {found.layers[0][1]}"
+        message = _message(found, keys)
         names = tuple(keys[id(layer)] for layer in layers)
         float8 = tuple(keys[id(layer)] for layer in layers if is_float8(layer))
         dynamic = self._reader.optimizer.dynamic  # a fixed scale is left as it is
@@ -295,6 +296,19 @@ class PrecisionRepair(keras.callbacks.Callback):
                 warn_not_recorded(self.model, "PrecisionRepair", judgment.layers)
         if self.verbose:
             print(judgment)
+
+
+def _message(found: Float32Set, keys: dict[int, str]) -> str:
+    """What a judgment found, in a sentence: its problem, else the reason of what its cause
+    moved first (the loss for `loss-overflow`, else the first layer)."""
+    if found.problem is not None:
+        return found.problem
+    if found.loss is not None and (found.cause == "loss-overflow" or not found.layers):
+        return found.loss
+    if found.layers:
+        layer, why = found.layers[0]
+        return f"{keys[id(layer)]!r}: {why}"
+    return "needed for another worker's batch"
 
 
 def _replayed(replayer: Replayer, step: int) -> Float32Set:
@@ -350,24 +364,27 @@ def _least(model: Any, scale: float) -> float:
 def _agreed_verdict(model: Any, strategy: Any, found: Float32Set) -> Float32Set:
     everything = all_layers(model)
     chosen = {id(layer) for layer, _ in found.layers}
-    votes = [float(found.cause == cause) for cause in _CAUSES]
-    votes += [float(found.problem is not None), float(found.loss is not None)]
+    problem = found.problem is not None
+    votes = [float(found.cause == cause and problem) for cause in _CAUSES]  # moves nothing
+    votes += [float(found.cause == cause and not problem) for cause in _CAUSES]
+    votes += [float(found.loss is not None)]
     votes += [float(id(layer) in chosen) for layer in everything]
     local = tf.constant(votes, tf.float32)
     total = strategy.reduce("SUM", strategy.run(lambda: tf.identity(local)), axis=None)
     total = np.asarray(total) > 0
     n = len(_CAUSES)
+    unfixed = [cause for cause, anywhere in zip(_CAUSES, total[:n]) if anywhere]
+    if unfixed:  # a problem on a worker: nothing moves anywhere (bad data first)
+        mine = problem and found.cause == unfixed[0]
+        return Float32Set((), unfixed[0], found.problem if mine else "seen on another worker")
     why = dict((id(layer), reason) for layer, reason in found.layers)
     layers = tuple(
         (layer, why.get(id(layer), "needed for another worker's batch"))
-        for layer, wanted in zip(everything, total[n + 2 :])
+        for layer, wanted in zip(everything, total[2 * n + 1 :])
         if wanted
     )
-    seen = [cause for cause, anywhere in zip(_CAUSES, total[:n]) if anywhere]
-    if total[n]:  # a problem on a worker: nothing moves anywhere (bad data first)
-        problem = found.problem if found.cause == seen[0] else "seen on another worker"
-        return Float32Set((), seen[0], problem)
-    loss = found.loss or ("needed for another worker's batch" if total[n + 1] else None)
+    loss = found.loss or ("needed for another worker's batch" if total[2 * n] else None)
+    seen = [cause for cause, anywhere in zip(_CAUSES, total[n : 2 * n]) if anywhere]
     return Float32Set(layers, seen[0] if seen else "none", None, loss)
 
 

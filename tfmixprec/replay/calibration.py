@@ -184,6 +184,10 @@ class Replayer:
             done = replay(self.model, batch, loss_fn, scale, record, training=self.training)
         return _Run(tuple(calls), done.loss, done.grads)
 
+    def forget(self) -> None:
+        """Drops the float32 replays kept (`in_float32`): the loss changed."""
+        self._float32.clear()
+
     def all_runs(self, scale: float, float32: Sequence[Any] = ()) -> list[_Run]:
         return [self.run(batch, scale, float32) for batch in self.batches]
 
@@ -293,6 +297,7 @@ def float32_set(replayer: Replayer) -> Float32Set:
             return Float32Set((), kind if named else "not-precision", fix)
         if kind == "loss-overflow":  # the replays go on with the loss in float32
             replayer.loss_fn, loss = fix
+            replayer.forget()  # its float32 replays were of the loss as it was
             cause = kind if cause == "none" else cause
             continue
         fix = _runnable(replayer, [layer for layer, _ in chosen.values()], fix)
@@ -848,13 +853,11 @@ def calibrate(
     replayer = Replayer(model, batches, loss_fn)
     found = float32_set(replayer)
     layers = [layer for layer, _ in found.layers]
-    reference = (
-        [replayer.in_float32(i) for i in range(len(batches))]
-        if not found.cause == "bad-data"
-        else []
-    )
+    # Bad data, or a model whose own code no float32 layer lets run: nothing to replay.
+    unrunnable = found.cause == "bad-data" or (found.cause == "model-code" and found.problem)
+    reference = [] if unrunnable else [replayer.in_float32(i) for i in range(len(batches))]
     gradient_max = _float16_gradient_max(model, reference, layers)
-    if found.cause == "bad-data" or not computes_in(model, "float16"):
+    if unrunnable or not computes_in(model, "float16"):
         scale, skips, keras_skips = 1.0, 0, 0
     else:
         scale = starting_scale(replayer, layers, gradient_max)
@@ -895,6 +898,8 @@ def _paper_scale(gradient_max: float) -> float:
     """The largest power of two S with gradient_max * S * MARGIN <= 65504, within [1, 2^24]."""
     if gradient_max <= 0:
         return LossScaleConfig.max_scale
+    if not math.isfinite(gradient_max):  # not finite even in float32: no scale helps
+        return 1.0
     exponent = math.floor(math.log2(FLOAT16_MAX / (gradient_max * MARGIN)))
     return float(2.0 ** min(max(exponent, 0), 24))
 
@@ -955,7 +960,10 @@ def _layer_rows(
     try:
         as_is = replayer.all_runs(1.0)
     except DtypeClashError:
-        as_is = replayer.all_runs(1.0, layers)
+        try:  # the model's own code mixes dtypes: as the float32 layers let it run, if any
+            as_is = replayer.all_runs(1.0, layers)
+        except DtypeClashError:
+            return []
     outputs: dict[int, list] = {}
     for run, run32 in zip(as_is, reference):
         for call, call32 in zip(run.calls, run32.calls):

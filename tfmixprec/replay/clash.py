@@ -37,7 +37,7 @@ _TRACED = re.compile(r"of '(\w+)' Op has type (\w+) that does not match type (\w
 _CALLING = re.compile(r"Exception encountered when calling (\w+)\.call\(\)")
 _NAMES = {"half": "float16", "float": "float32", "double": "float64", "bfloat16": "bfloat16"}
 # Frames of these packages are the machinery; the model's own code is the deepest other one.
-_MACHINERY = ("/tensorflow/", "/keras/src/", "/tfmixprec/", "/tf_keras/", "/absl/")
+_MACHINERY = ("/tensorflow/", "/keras/src/", "/tfmixprec/", "/tf_keras/", "/absl/", "/optree/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +61,15 @@ class DtypeClash:
         """`"the model's own code multiplies ..."`: what failed, in a sentence's words."""
         at = f" at {self.where}" if self.where else ""
         inside = f" in {self.layer.name!r}" if self.layer is not None else ""
-        first, second = self.dtypes
+        first, second = (f"{_article(name)} {name}" for name in self.dtypes)
         return (
-            f"the model's own code mixes dtypes{inside}: {self.operation} of a {first} and a "
+            f"the model's own code mixes dtypes{inside}: {self.operation} of {first} and "
             f"{second} tensor{at} (TensorFlow does not promote dtypes)"
         )
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 class DtypeClashError(TypeError):
@@ -99,15 +103,17 @@ def clash_of(err: BaseException, model: Any, called: Sequence[Any]) -> DtypeClas
 
 def _raising_layer(model: Any, class_name: str, called: Sequence[Any]) -> Any:
     """The layer of class `class_name` whose call raised: the innermost one around the last
-    leaf call that finished (the first of that class where none is around it)."""
+    leaf call that finished; else (a leaf layer raised) the first of that class whose call
+    never finished; else the first of that class."""
     candidates = [layer for layer in all_layers(model) if type(layer).__name__ == class_name]
     if not candidates:
         return None
-    for leaf in reversed(called):
-        around = [c for c in candidates if any(part is leaf for part in all_sublayers(c))]
-        if around:
-            return min(around, key=lambda c: len(all_sublayers(c)))
-    return candidates[0]
+    last = called[-1] if called else None
+    around = [c for c in candidates if any(part is last for part in all_sublayers(c))]
+    if around:
+        return min(around, key=lambda c: len(all_sublayers(c)))
+    unfinished = [c for c in candidates if not any(c is leaf for leaf in called)]
+    return (unfinished or candidates)[0]
 
 
 def _model_line(err: BaseException) -> str:

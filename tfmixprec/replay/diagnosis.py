@@ -532,9 +532,9 @@ def _model_code(model: keras.Model, clash: DtypeClash) -> OverflowDiagnosis:
     """The verdict on a call that fails because the model's own code mixes dtypes."""
     layer = None if clash.layer is None else layer_names(model, short=True)[id(clash.layer)]
     message = (
-        f"{clash.describe()}: not float16's range, the model's own code. Computing the layers "
-        "around that operation in float32 lets it run (tfmixprec.calibrate(model, data) finds "
-        "the fewest), or cast the tensor in that code."
+        f"{clash.describe()}: not a value out of range, the model's own code. Computing the "
+        "layers around that operation in float32 may let it run (tfmixprec.calibrate(model, "
+        "data) finds the fewest, or says none does), or cast the tensor in that code."
     )
     return _verdict("model-code", layer, message)
 
