@@ -199,3 +199,15 @@ def test_a_clash_no_float32_layer_fixes_is_named_and_nothing_moves():
     assert report.problem.endswith(
         ", and no layer in float32 lets the call run: cast the tensor in that code."
     )
+
+
+def test_the_layer_is_found_without_kerass_traceback_note():
+    """With Keras's traceback filtering off, its error names no layer: the raising layer is
+    read from the traceback's frames."""
+    model = _gated()
+    keras.config.disable_traceback_filtering()
+    try:
+        diagnosis = tfmixprec.explain_overflow(model, _batch())
+    finally:
+        keras.config.enable_traceback_filtering()
+    assert (diagnosis.cause, diagnosis.layer) == ("model-code", "gate")

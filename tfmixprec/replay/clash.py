@@ -96,9 +96,24 @@ def clash_of(err: BaseException, model: Any, called: Sequence[Any]) -> DtypeClas
         dtypes = (expected, given)
     else:
         return None
-    calling = _CALLING.search(text)
-    layer = _raising_layer(model, calling.group(1), called) if calling else None
+    layer = _layer_in_traceback(err, model)
+    if layer is None:  # Keras's own note of the layer, where the frames do not show it
+        calling = _CALLING.search(text)
+        layer = _raising_layer(model, calling.group(1), called) if calling else None
     return DtypeClash(layer, operation, dtypes, _model_line(err))
+
+
+def _layer_in_traceback(err: BaseException, model: Any) -> Any:
+    """The innermost layer of `model` whose method is among `err`'s traceback frames (the
+    frame's `self`), or None."""
+    layers = {id(layer): layer for layer in all_layers(model)}
+    found, tb = None, err.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in layers and owner is not model:
+            found = owner
+        tb = tb.tb_next
+    return found
 
 
 def _raising_layer(model: Any, class_name: str, called: Sequence[Any]) -> Any:
