@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,17 +56,19 @@ def _finite(tensor: Any) -> bool:
     return bool(np.isfinite(tensor.numpy()).all())
 
 
-def _model_line() -> str:
-    frames = [
+def model_line(frames: Sequence[traceback.FrameSummary]) -> str:
+    """`path:line` of the deepest of `frames` outside the machinery (TensorFlow, Keras,
+    tfmixprec): the model's own code, the path from its package folder on; `""` where none."""
+    own = [
         frame
-        for frame in traceback.extract_stack()
+        for frame in frames
         if not any(part in frame.filename.replace("\\", "/") for part in _MACHINERY)
     ]
-    if not frames:
+    if not own:
         return ""
-    path = frames[-1].filename.replace("\\", "/")
+    path = own[-1].filename.replace("\\", "/")
     path = path.split("site-packages/")[-1] if "site-packages/" in path else path
-    return f"{path}:{frames[-1].lineno}"
+    return f"{path}:{own[-1].lineno}"
 
 
 def first_nonfinite_op(run: Callable[[], Any]) -> NonfiniteOp | None:
@@ -85,7 +87,15 @@ def first_nonfinite_op(run: Callable[[], Any]) -> NonfiniteOp | None:
         if low:
             bad = [x for x in inputs if not _finite(x)]
             constant = any(not any(x is m for m in made) for x in bad)
-            found.append(NonfiniteOp(op_type, low[0].dtype.name, _model_line(), constant, not bad))
+            found.append(
+                NonfiniteOp(
+                    op_type,
+                    low[0].dtype.name,
+                    model_line(traceback.extract_stack()),
+                    constant,
+                    not bad,
+                )
+            )
         made.extend(bad_out)
         return None
 

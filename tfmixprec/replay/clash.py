@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from tfmixprec._common.layers import all_layers
 from tfmixprec._keras.graph import all_sublayers
+from tfmixprec._keras.op_watch import model_line
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
@@ -36,8 +37,6 @@ _EAGER = re.compile(r"expected to be a (\w+) tensor but is a (\w+) tensor \[Op:(
 _TRACED = re.compile(r"of '(\w+)' Op has type (\w+) that does not match type (\w+)")
 _CALLING = re.compile(r"Exception encountered when calling (\w+)\.call\(\)")
 _NAMES = {"half": "float16", "float": "float32", "double": "float64", "bfloat16": "bfloat16"}
-# Frames of these packages are the machinery; the model's own code is the deepest other one.
-_MACHINERY = ("/tensorflow/", "/keras/src/", "/tfmixprec/", "/tf_keras/", "/absl/", "/optree/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +99,7 @@ def clash_of(err: BaseException, model: Any, called: Sequence[Any]) -> DtypeClas
     if layer is None:  # Keras's own note of the layer, where the frames do not show it
         calling = _CALLING.search(text)
         layer = _raising_layer(model, calling.group(1), called) if calling else None
-    return DtypeClash(layer, operation, dtypes, _model_line(err))
+    return DtypeClash(layer, operation, dtypes, model_line(traceback.extract_tb(err.__traceback__)))
 
 
 def _layer_in_traceback(err: BaseException, model: Any) -> Any:
@@ -129,18 +128,3 @@ def _raising_layer(model: Any, class_name: str, called: Sequence[Any]) -> Any:
         return min(around, key=lambda c: len(all_sublayers(c)))
     unfinished = [c for c in candidates if not any(c is leaf for leaf in called)]
     return (unfinished or candidates)[0]
-
-
-def _model_line(err: BaseException) -> str:
-    """`path:line` of the deepest frame of `err`'s traceback outside the machinery."""
-    frames = [
-        frame
-        for frame in traceback.extract_tb(err.__traceback__)
-        if not any(part in frame.filename.replace("\\", "/") for part in _MACHINERY)
-    ]
-    if not frames:
-        return ""
-    frame = frames[-1]
-    path = frame.filename.replace("\\", "/")
-    path = path.split("site-packages/")[-1] if "site-packages/" in path else path
-    return f"{path}:{frame.lineno}"
