@@ -6,7 +6,9 @@
    `get_unscaled_gradients` / `apply_gradients`), unchanged, on tfmixprec's optimizer.
 
 Each trains a small classifier on synthetic data, injects one Inf batch to show the skipped
-step, and prints the loss, the loss scale and the overflow count.
+step, and prints the loss, the loss scale and the overflow count. Under `mixed_bfloat16` (what
+`auto` picks on a CPU with AVX512_BF16 or AMX) there is no loss scale: bfloat16 has float32's
+range. Each way then uses a fixed scale of 1, which still skips the Inf step, and says so.
 
     python examples/custom_training_loop.py [--policy auto] [--steps 60]
 """
@@ -55,6 +57,23 @@ def batches(x, y, batch: int, steps: int, bad_step: int):
         yield tf.constant(xb), tf.constant(yb)
 
 
+def make_optimizer() -> tfmixprec.LossScaleOptimizer:
+    """Adam in a tfmixprec.LossScaleOptimizer: a dynamic loss scale for float16; for bfloat16
+    and float32 a fixed scale of 1 (no scaling), as make_train_step and compile choose."""
+    adam = keras.optimizers.Adam(1e-2)
+    if keras.config.dtype_policy().compute_dtype == "float16":
+        return tfmixprec.LossScaleOptimizer(adam)
+    return tfmixprec.LossScaleOptimizer(adam, initial_scale=1.0, dynamic=False)
+
+
+def loss_scale_text(state: dict) -> str:
+    """`loss_scale=16384` under float16; under bfloat16/float32, that there is none."""
+    compute_dtype = keras.config.dtype_policy().compute_dtype
+    if compute_dtype == "float16":
+        return f"loss_scale={state['loss_scale']:g}"
+    return f"loss_scale=none ({compute_dtype} needs no loss scaling)"
+
+
 def run_make_train_step(x, y, steps: int) -> dict:
     model = make_model()
     step = tfmixprec.make_train_step(
@@ -67,7 +86,7 @@ def run_make_train_step(x, y, steps: int) -> dict:
 
 def run_compute_unscaled_gradients(x, y, steps: int) -> dict:
     model = make_model()
-    opt = tfmixprec.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
+    opt = make_optimizer()
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
 
     @tf.function
@@ -87,7 +106,7 @@ def run_compute_unscaled_gradients(x, y, steps: int) -> dict:
 
 def run_tf2_guide_loop(x, y, steps: int) -> dict:
     model = make_model()
-    opt = tfmixprec.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
+    opt = make_optimizer()
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
 
     @tf.function
@@ -127,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         accuracy = float(np.mean(np.argmax(probs, axis=1) == y))
         print(
             f"{name:27s} loss={result['loss']:.4f} accuracy={accuracy:.3f} "
-            f"loss_scale={state['loss_scale']:g} overflow_steps={state['overflow_steps']} "
+            f"{loss_scale_text(state)} overflow_steps={state['overflow_steps']} "
             f"applied_steps={state['iterations']}"
         )
         results[name] = {
@@ -135,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             "accuracy": accuracy,
             "overflow_steps": state["overflow_steps"],
             "applied_steps": state["iterations"],
+            "loss_scale": state["loss_scale"],
         }
     return results
 

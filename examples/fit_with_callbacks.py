@@ -50,14 +50,22 @@ def build_model() -> tfmixprec.MixedPrecisionModel:
 
 def print_result(result: dict, state: dict, stats: tfmixprec.GradientRangeStats) -> None:
     print(f"policy {result['policy']}: test accuracy {result['test_accuracy']:.3f}")
+    bfloat16 = keras.DTypePolicy(result["policy"]).compute_dtype == "bfloat16"
+    # bfloat16 has float32's range: there is no loss scale, and none to recommend.
+    scale = "no loss scale" if bfloat16 else f"loss scale {state['loss_scale']:g}"
     print(
         f"overflow steps {result['overflow_steps']} (the NaN batch, once per epoch), "
-        f"loss scale {state['loss_scale']:g}, guard stopped: {result['guard_stopped']}"
+        f"{scale}, guard stopped: {result['guard_stopped']}"
+    )
+    advice = (
+        "no loss scale needed (bfloat16 has float32's range)"
+        if bfloat16
+        else f"recommended loss scale {result['recommended_scale']:g}"
     )
     print(
         f"weight gradients: {stats.underflow_fraction:.2%} below 2^-24, "
         f"{stats.subnormal_fraction:.2%} float16-subnormal, {stats.zero_fraction:.2%} zero; "
-        f"recommended loss scale {result['recommended_scale']:g}"
+        f"{advice}"
     )
 
 

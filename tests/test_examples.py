@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -37,9 +39,31 @@ def test_custom_training_loop_example():
         assert "loss_scale=16384" in line
 
 
-def test_fit_with_callbacks_example():
-    out = _run("fit_with_callbacks.py", "--epochs", "2")
+def test_custom_training_loop_example_under_bfloat16():
+    """bfloat16 has float32's range: no loss scale to print, the Inf step still skipped."""
+    out = _run("custom_training_loop.py", "--policy", "mixed_bfloat16", "--steps", "12")
+    lines = out.strip().splitlines()
+    assert lines[0] == "policy: mixed_bfloat16"
+    assert len(lines) == 4
+    for name, line in zip(
+        ["make_train_step", "compute_unscaled_gradients", "tf2_guide_loop"], lines[1:]
+    ):
+        assert line.startswith(name)
+        assert (
+            "loss_scale=none (bfloat16 needs no loss scaling) overflow_steps=1 applied_steps=11"
+        ) in line
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_fit_with_callbacks_example(policy):
+    out = _run("fit_with_callbacks.py", "--epochs", "2", "--policy", policy)
     assert "overflow steps 2 (the NaN batch, once per epoch)" in out
+    if policy == "mixed_bfloat16":  # float32's range: no loss scale, none recommended
+        assert "once per epoch), no loss scale, guard stopped" in out
+        assert out.rstrip().endswith("zero; no loss scale needed (bfloat16 has float32's range)")
+    else:
+        assert re.search(r"once per epoch\), loss scale \d+, guard stopped", out)
+        assert re.search(r"zero; recommended loss scale \d+$", out.rstrip())
     assert "guard stopped: False" in out
     accuracy = float(out.split("test accuracy ")[1].split()[0])
     assert accuracy > 0.8

@@ -249,3 +249,16 @@ def test_update_freq_counts_steps_with_several_steps_per_execution():
     x = np.ones((16, 4), np.float32)
     model.fit(x, np.ones((16, 1), np.float32), batch_size=1, verbose=0, callbacks=[monitor])
     assert calls == [4, 8, 12, 16]
+
+
+def test_a_bfloat16_model_is_recommended_no_loss_scale():
+    """bfloat16 has float32's range: the monitor recommends 1.0 (no scaling) for a bfloat16
+    model, while the same gradients, read against float16's range, would ask for 2^14."""
+    with tfmixprec.policy_scope("mixed_bfloat16"):
+        model = _linear_model()
+    x = np.array([[1e-10, 2.0**-21, 1.0, 0.0]], np.float32)  # grads: -2x, as above
+    monitor = GradientRangeMonitor((x, np.ones((1, 1), np.float32)))
+    monitor.set_model(model)
+    monitor.measure()
+    assert monitor.weight_stats.recommend_loss_scale(percentile=0) == 2.0**14
+    assert monitor.recommend_loss_scale(percentile=0) == 1.0

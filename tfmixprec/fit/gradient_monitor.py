@@ -9,7 +9,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec._common.layers import compiled_loss, loss_value
+from tfmixprec._common.layers import all_layers, compiled_loss, loss_value
 from tfmixprec._common.validate import check_int_at_least_one
 from tfmixprec.fit.adoption import loss_scaling_of
 from tfmixprec.fit.reader import FitReader
@@ -201,7 +201,9 @@ class GradientRangeMonitor(keras.callbacks.Callback):
 
     def recommend_loss_scale(self, percentile: float = 1.0, which: str | None = None) -> float:
         """The loss scale that moves the `percentile`-th smallest gradient into float16's
-        normal range (see `GradientRangeStats.recommend_loss_scale`).
+        normal range (see `GradientRangeStats.recommend_loss_scale`), for a model that computes
+        in float16 or float32; 1.0 (no scaling) for a model that computes in bfloat16 and not
+        float16: bfloat16 has float32's range, so its gradients need no loss scale.
 
         Args:
             percentile: Float. Which of the smallest non-zero |g| must become normal.
@@ -209,7 +211,8 @@ class GradientRangeMonitor(keras.callbacks.Callback):
                 for the weight gradients.
 
         Returns:
-            A float power of two (at least 1). Measures first if nothing was measured yet.
+            A float power of two (at least 1; 1.0 for a bfloat16 model). Measures first if
+            nothing was measured yet.
 
         Raises:
             ValueError: If `which` is not `None` or one of `layers`.
@@ -221,6 +224,8 @@ class GradientRangeMonitor(keras.callbacks.Callback):
             raise ValueError(
                 f"which must be None or one of {self.layers}. Received: which={which!r}"
             )
+        if _needs_no_loss_scale(self.model):
+            return 1.0
         return stats.recommend_loss_scale(percentile)
 
     def step(self, logs: dict | None = None, batch: int | None = None) -> bool:
@@ -269,6 +274,13 @@ class GradientRangeMonitor(keras.callbacks.Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._step < self.update_freq:  # a fit shorter than update_freq still measures once
             self.measure()
+
+
+def _needs_no_loss_scale(model: Any) -> bool:
+    """True for a model that computes in bfloat16 and in no float16 layer: bfloat16 has
+    float32's range, so no gradient of it flushes to zero for want of a loss scale."""
+    dtypes = {layer.dtype_policy.compute_dtype for layer in all_layers(model)}
+    return "bfloat16" in dtypes and "float16" not in dtypes
 
 
 def _log_values(stats: GradientRangeStats) -> dict[str, float]:
