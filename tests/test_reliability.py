@@ -315,6 +315,18 @@ CATALOG = [
     ),
     ("loss_fn", lambda s: tfmixprec.make_train_step(s["model"], 3, "sgd"), TypeError, r"loss_fn=3"),
     (
+        "loss_fn name",
+        lambda s: tfmixprec.make_train_step(s["model"], "mse!", "sgd"),
+        ValueError,
+        r"loss_fn='mse!'",
+    ),
+    (
+        "step optimizer",
+        lambda s: tfmixprec.make_train_step(s["model"], "mse", 3),
+        TypeError,
+        r"Received: optimizer=3 ",
+    ),
+    (
         "helper optimizer",
         lambda s: tfmixprec.compute_unscaled_gradients(None, None, [], keras.optimizers.SGD()),
         TypeError,
@@ -340,6 +352,12 @@ CATALOG = [
         lambda s: tfmixprec.TensorBoard("logs", update_freq="hourly"),
         ValueError,
         r"'hourly'",
+    ),
+    (
+        "tensorboard log_dir",
+        lambda s: tfmixprec.TensorBoard(123),
+        TypeError,
+        r"log_dir=123 of type int",
     ),
     (
         "tensorboard monitor",

@@ -1,4 +1,5 @@
-"""Warnings a person reads: at most two sentences, then the docs page that explains them."""
+"""Warnings a person reads: at most two sentences, then the guide that explains them, by its
+title and its path (a pip install has no docs folder)."""
 
 import re
 from pathlib import Path
@@ -8,10 +9,20 @@ import pytest
 import tensorflow as tf
 
 import tfmixprec
+from tfmixprec._common.text import GUIDE_TITLES, docs_page
 from tfmixprec.precision.hardware import HardwareInfo
 
 ROOT = Path(__file__).resolve().parent.parent
-LINK = re.compile(r" See (docs/[\w/-]+\.md)\.$")
+LINK = re.compile(
+    r' See the tfmixprec guide "([^"]+)" \((docs/[\w/-]+\.md) in the tfmixprec repository\)\.$'
+)
+
+
+def _title(path):
+    """The page's H1: its first line, without the `# `."""
+    first = (ROOT / path).read_text().splitlines()[0]
+    assert first.startswith("# "), (path, first)
+    return first[2:]
 
 
 def _sentences(text):
@@ -22,7 +33,8 @@ def _sentences(text):
 def _check(message):
     link = LINK.search(message)
     assert link, f"no docs link at the end: {message!r}"
-    assert (ROOT / link.group(1)).is_file(), link.group(1)
+    assert (ROOT / link.group(2)).is_file(), link.group(2)
+    assert link.group(1) == _title(link.group(2))
     body = message[: link.start()]
     assert len(_sentences(body)) <= 2, _sentences(body)
 
@@ -66,3 +78,24 @@ def test_sentences_splits_where_a_reader_would():
         "Gradients were not finite at step 3 (0-based), e.g. a NaN: skipped.",
         "Fix the data.",
     ]
+
+
+def test_each_guide_title_a_warning_names_is_the_pages_h1():
+    """`docs_page` names a guide by the title in GUIDE_TITLES: it must be the page's H1, for
+    every guide (a renamed or added guide fails here)."""
+    guides = {f"guides/{path.stem}" for path in (ROOT / "docs" / "guides").glob("*.md")}
+    assert set(GUIDE_TITLES) == guides
+    for page, title in GUIDE_TITLES.items():
+        assert title == _title(f"docs/{page}.md"), page
+        _check(f"A warning. {docs_page(page)}")
+    with pytest.raises(ValueError, match=r"page must be one of .*Received: page='guides/nope'"):
+        docs_page("guides/nope")
+
+
+def test_every_page_the_package_names_is_a_guide():
+    """The pages named in the package's source (`docs_page("...")`, a default `page`, a
+    `_PAGE` constant) are all in GUIDE_TITLES, so no warning raises instead of warning."""
+    pages = set()
+    for path in (ROOT / "tfmixprec").rglob("*.py"):
+        pages.update(re.findall(r'["\'](guides/[\w-]+)["\']', path.read_text()))
+    assert pages and pages <= set(GUIDE_TITLES), pages - set(GUIDE_TITLES)

@@ -450,7 +450,9 @@ def test_a_layer_check_added_to_the_table_runs_on_every_leaf_layer(monkeypatch):
 # float8 layers: judged as `float8_layers` would leave them out, on the observed call.
 
 H100 = HardwareInfo(gpus=(GPUInfo("NVIDIA H100", (9, 0)),))  # float8 Tensor Cores
-FLOAT8_PAGE = " See docs/guides/float8.md."
+FLOAT8_PAGE = (
+    ' See the tfmixprec guide "float8" (docs/guides/float8.md in the tfmixprec repository).'
+)
 FLOAT8_FIX = (
     "Quantize the model with tfmixprec.float8_layers(model) instead of "
     "model.quantize('float8'): it leaves this layer out of float8."

@@ -22,7 +22,7 @@ def test_doctor_report_prints_and_warns(capsys):
     assert "GPUs              none" in out
     assert "recommended       mixed_bfloat16: no GPU" in out
     assert "WARNING: mixed_float16 without a GPU is at best about as fast as float32" in out
-    assert "See docs/guides/float16-on-cpus.md." in out
+    assert '"float16 on CPUs" (docs/guides/float16-on-cpus.md in the tfmixprec repository).' in out
     # One message: doctor says what set_policy("mixed_float16") warns on this hardware.
     assert report.warnings[0] == tfmixprec.policy.float16_without_gpu_note(hw)
     data = report.to_dict()

@@ -134,7 +134,8 @@ def test_float16_without_loss_scaling_says_how_to_fix_it():
         "(LossScaleMonitor runs without loss-scale values). Compile with "
         "optimizer=tfmixprec.LossScaleOptimizer(your_optimizer), or set the mixed_float16 "
         "policy before building the model so that compile() wraps it. "
-        "See docs/guides/fit-and-callbacks.md."
+        'See the tfmixprec guide "Fit and callbacks" (docs/guides/fit-and-callbacks.md in the '
+        "tfmixprec repository)."
     ]
     assert sorted(history.history) == ["loss"]
 

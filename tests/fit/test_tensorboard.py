@@ -353,6 +353,12 @@ def test_gradient_monitor_summaries(tmp_path, monitor_in_fit):
 
 def test_bad_arguments():
     with pytest.raises(
+        TypeError,
+        match=r"^log_dir must be the path of the folder .*Received: log_dir=123 of type int$",
+    ):
+        tfmixprec.TensorBoard(123)
+    assert tfmixprec.TensorBoard(Path("runs") / "a").log_dir == str(Path("runs") / "a")
+    with pytest.raises(
         TypeError, match=r"gradient_monitor must be a tfmixprec.GradientRangeMonitor"
     ):
         tfmixprec.TensorBoard("logs", gradient_monitor="yes")

@@ -238,7 +238,8 @@ def test_a_dynamic_scale_given_for_a_bfloat16_model_is_kept_with_a_warning():
         "The model computes in bfloat16, whose range is float32's: it needs no loss scaling, "
         "yet its tfmixprec.LossScaleOptimizer has a dynamic scale from 32768. Pass the plain "
         "optimizer (e.g. compile(optimizer='adam')): tfmixprec then uses a fixed scale of 1, "
-        "which still skips Inf/NaN steps. See docs/guides/fit-and-callbacks.md."
+        'which still skips Inf/NaN steps. See the tfmixprec guide "Fit and callbacks" '
+        "(docs/guides/fit-and-callbacks.md in the tfmixprec repository)."
     ]
     assert caught[0].filename == __file__  # points at the user's compile call
     assert model.optimizer is given and given.dynamic
@@ -654,12 +655,45 @@ def test_compute_unscaled_gradients_and_tf2_api_in_custom_loop():
             assert not bool(finite)
 
 
+def test_make_train_step_takes_keras_identifiers_as_compile_does():
+    """`make_train_step(model, "mse", "sgd")` trains bit for bit as the loss and optimizer
+    objects Keras's compile would make of those names."""
+    x, y = _data(8)
+    results = []
+    for loss, optimizer in [
+        ("mse", "sgd"),
+        (keras.losses.MeanSquaredError(), keras.optimizers.SGD()),
+    ]:
+        model = _functional(keras.Model)
+        step = tfmixprec.make_train_step(model, loss, optimizer)
+        assert isinstance(step.optimizer.inner_optimizer, keras.optimizers.SGD)
+        losses = [float(step(x, y)["loss"]) for _ in range(3)]
+        results.append((losses, _weights(model)))
+    assert results[0][0] == results[1][0]
+    _same_bits(results[0][1], results[1][1])
+
+
+def test_compile_names_the_optimizer_argument_it_was_given():
+    model = _functional()
+    with pytest.raises(TypeError, match=r"^optimizer must be a Keras 3 optimizer .*optimizer=123 "):
+        model.compile(optimizer=123, loss="mse")
+    with pytest.raises(ValueError, match=r"^optimizer must be .*Received: optimizer='adamm'$"):
+        model.compile(optimizer="adamm", loss="mse")
+    assert getattr(model, "optimizer", None) is None  # nothing half-changed
+
+
 def test_custom_loop_helpers_bad_input():
     model, x, y = _tiny_loss_model()
     with pytest.raises(TypeError, match=r"model must be a keras.Model.*str"):
         tfmixprec.make_train_step("model", _tiny_loss, "sgd")
-    with pytest.raises(TypeError, match=r"loss_fn must be callable.*'mse!'"):
+    with pytest.raises(ValueError, match=r"loss_fn must be a callable or the name of a Keras loss"):
         tfmixprec.make_train_step(model, "mse!", "sgd")
+    with pytest.raises(
+        ValueError, match=r"optimizer must be a Keras 3 optimizer or the name.*'sgd!'"
+    ):
+        tfmixprec.make_train_step(model, "mse", "sgd!")
+    with pytest.raises(TypeError, match=r"loss_fn must be a callable .*Received: loss_fn=3$"):
+        tfmixprec.make_train_step(model, 3, "sgd")
     with tf.GradientTape() as tape:
         loss = _tiny_loss(y, model(x))
     with pytest.raises(TypeError, match=r"tfmixprec.LossScaleOptimizer.*type SGD"):

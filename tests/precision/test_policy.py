@@ -8,6 +8,7 @@ import pytest
 
 import tfmixprec
 from tfmixprec import GPUInfo, HardwareInfo
+from tfmixprec._keras.settings import global_policy, restore_global_policy
 
 V100 = GPUInfo("Tesla V100-SXM2-16GB", (7, 0))
 T4 = GPUInfo("Tesla T4", (7, 5))
@@ -78,6 +79,20 @@ def test_policy_scope_restores_also_on_error():
         with tfmixprec.policy_scope("mixed_bfloat16"):
             raise RuntimeError("boom")
     assert keras.config.dtype_policy().name == "float32"
+
+
+def test_policy_scope_leaves_an_unset_global_policy_unset():
+    """A process that never set a global policy has none after the block either (reading it
+    through keras.config would set it), also when the block raises."""
+    restore_global_policy(None)
+    with tfmixprec.policy_scope("mixed_bfloat16") as policy:
+        assert policy.name == global_policy().name == "mixed_bfloat16"
+    assert global_policy() is None
+    with pytest.raises(RuntimeError, match="boom"):
+        with tfmixprec.policy_scope("mixed_float16"):
+            raise RuntimeError("boom")
+    assert global_policy() is None
+    assert keras.config.dtype_policy().name == "float32"  # what Keras reads while unset
 
 
 # ------------------------------------------------------------------ float32_outputs
@@ -229,7 +244,8 @@ def test_mixed_float16_without_a_gpu_warns_once(warn_again, hardware, faster):
         f"machine use {faster!r} (tfmixprec.set_policy('auto') picks it). "
         "tfmixprec.cpu_float16 routes around TensorFlow's slow float16 CPU kernels in "
         "MixedPrecisionModel and make_train_step; for a plain keras.Model call "
-        "tfmixprec.cpu_float16.fast_float16_layers(model). See docs/guides/float16-on-cpus.md."
+        'tfmixprec.cpu_float16.fast_float16_layers(model). See the tfmixprec guide "float16 on '
+        'CPUs" (docs/guides/float16-on-cpus.md in the tfmixprec repository).'
     )
     assert caught[0].filename == __file__  # points at the user's set_policy call
     assert keras.config.dtype_policy().name == "mixed_float16"  # the policy is still set

@@ -17,10 +17,34 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list
     return lines
 
 
+# The title (the H1) of each guide a warning may name. A pip install has no docs folder, so
+# a warning names the guide by its title as well as by its path in the repository (the docs
+# site, built from that folder, has no address of its own yet). tests/test_warnings.py checks
+# each title against its page.
+GUIDE_TITLES = {
+    "guides/audit-in-ci": "The audit in CI",
+    "guides/bfloat16-on-cpus": "bfloat16 on CPUs",
+    "guides/custom-loops": "Custom loops and the TF-2 API",
+    "guides/distributed": "Several replicas and workers",
+    "guides/fit-and-callbacks": "Fit and callbacks",
+    "guides/float16-on-cpus": "float16 on CPUs",
+    "guides/float8": "float8",
+    "guides/repair": "When float16 overflows: repair it",
+    "guides/tensorboard": "The TensorBoard dashboard",
+    "guides/why-overflow": "Why a step overflowed",
+}
+
+
 def docs_page(page: str) -> str:
-    """The link a warning ends with: `See docs/<page>.md.` (the page in the repository's docs
-    folder, which the docs site is built from)."""
-    return f"See docs/{page}.md."
+    """The sentence a warning ends with: the guide's title and its path in the repository,
+    `See the tfmixprec guide "Fit and callbacks" (docs/guides/fit-and-callbacks.md in the
+    tfmixprec repository).`"""
+    if page not in GUIDE_TITLES:
+        raise ValueError(f"page must be one of {sorted(GUIDE_TITLES)}. Received: page={page!r}")
+    return (
+        f'See the tfmixprec guide "{GUIDE_TITLES[page]}" (docs/{page}.md in the tfmixprec '
+        "repository)."
+    )
 
 
 def jsonable(value: Any) -> Any:

@@ -298,6 +298,27 @@ class _ChiefWrites(keras.callbacks.TensorBoard):
             self._drop_worker_dir()
 
 
+def _check_arguments(log_dir: Any, gradient_monitor: Any, update_freq: Any) -> None:
+    """Raises for a `TensorBoard` argument Keras's callback would take and fail on later."""
+    if not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(
+            "log_dir must be the path of the folder to write to (a string or os.PathLike, "
+            f"e.g. 'logs'). Received: log_dir={log_dir!r} of type {type(log_dir).__name__}"
+        )
+    if gradient_monitor is not None and not isinstance(gradient_monitor, GradientRangeMonitor):
+        raise TypeError(
+            "gradient_monitor must be a tfmixprec.GradientRangeMonitor. Received: "
+            f"gradient_monitor of type {type(gradient_monitor).__name__}"
+        )
+    if update_freq not in ("epoch", "batch") and (
+        isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
+    ):
+        raise ValueError(
+            'update_freq must be "epoch", "batch" or an integer >= 1. '
+            f"Received: update_freq={update_freq!r}"
+        )
+
+
 @keras.saving.register_keras_serializable(package="tfmixprec")
 class TensorBoard(_ChiefWrites):
     """`keras.callbacks.TensorBoard` plus loss-scale and overflow summaries.
@@ -317,7 +338,7 @@ class TensorBoard(_ChiefWrites):
     `gradient_monitor` (it holds a data batch): pass it again to a restored callback.
 
     Args:
-        log_dir: String. Where to write, as for Keras's callback.
+        log_dir: String or `os.PathLike`. The folder to write to, as for Keras's callback.
         gradient_monitor: `GradientRangeMonitor`. Driven by this callback (it calls
             `gradient_monitor.drive_from(self)`): this callback steps it once per batch and
             writes its measurements; passing it to `fit` as well does not measure twice.
@@ -328,7 +349,8 @@ class TensorBoard(_ChiefWrites):
             `histogram_freq`, `profile_batch`, ...).
 
     Raises:
-        TypeError: If `gradient_monitor` is not a `GradientRangeMonitor`.
+        TypeError: If `log_dir` is not a path (a string or `os.PathLike`) or
+            `gradient_monitor` is not a `GradientRangeMonitor`.
         ValueError: If `update_freq` is not `"epoch"`, `"batch"` or an integer >= 1,
             `diagnose` is not an integer >= 0, or
             `gradient_monitor` is already driven by another callback.
@@ -341,25 +363,14 @@ class TensorBoard(_ChiefWrites):
 
     def __init__(
         self,
-        log_dir: str = "logs",
+        log_dir: str | os.PathLike = "logs",
         gradient_monitor: GradientRangeMonitor | None = None,
         diagnose: int = 0,
         **kwargs: Any,
     ) -> None:
         diagnoser = Diagnoser(diagnose, "tfmixprec.TensorBoard")  # checks it first
-        if gradient_monitor is not None and not isinstance(gradient_monitor, GradientRangeMonitor):
-            raise TypeError(
-                "gradient_monitor must be a tfmixprec.GradientRangeMonitor. Received: "
-                f"gradient_monitor of type {type(gradient_monitor).__name__}"
-            )
         update_freq = kwargs.get("update_freq", "epoch")
-        if update_freq not in ("epoch", "batch") and (
-            isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
-        ):
-            raise ValueError(
-                'update_freq must be "epoch", "batch" or an integer >= 1. '
-                f"Received: update_freq={update_freq!r}"
-            )
+        _check_arguments(log_dir, gradient_monitor, update_freq)
         super().__init__(log_dir=log_dir, **kwargs)
         # Keras keeps only the parsed range (privately): keep the argument, for get_config.
         self.profile_batch = _profile_batch_value(kwargs.get("profile_batch", 0))

@@ -21,6 +21,7 @@ from tfmixprec._common.layers import iter_layers
 from tfmixprec._common.text import docs_page
 from tfmixprec._keras.fit import MultiWorkerFit
 from tfmixprec._keras.graph import Functional, functional_init_arguments
+from tfmixprec._keras.losses import as_compiled
 from tfmixprec.fit.hooks import FitWatch, ProgressBar
 from tfmixprec.fit.overflow_batches import (
     OverflowBatches,
@@ -30,7 +31,7 @@ from tfmixprec.fit.overflow_batches import (
 )
 from tfmixprec.precision import cpu_bfloat16, cpu_float16
 from tfmixprec.scaling.loss_scale import default_config
-from tfmixprec.scaling.optimizer import LossScaleOptimizer
+from tfmixprec.scaling.optimizer import LossScaleOptimizer, resolve_optimizer
 from tfmixprec.scaling.state_guard import guard_state, metrics_after_guard
 
 __all__ = [
@@ -114,7 +115,8 @@ def _optimizer_for(
     """The tfmixprec optimizer `compile` and `make_train_step` use for `model` (see
     `_ensure_loss_scale_optimizer`); float16 layers on a CPU get the fast products. A dynamic
     scale given for a bfloat16 model is kept, with one warning that it is not needed."""
-    optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, str) else optimizer
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # the user's name
+        optimizer = resolve_optimizer(optimizer, "optimizer")
     float16 = _computes_in(model, "float16")
     given = optimizer
     optimizer = _ensure_loss_scale_optimizer(optimizer, float16, loss_scaling, accumulation_steps)
@@ -342,6 +344,27 @@ def compute_unscaled_gradients(
     return grads, optimizer.check_finite(grads)
 
 
+def _loss_function(loss_fn: Any) -> Callable[..., Any]:
+    """`loss_fn` as `make_train_step` calls it: a callable as it is; a Keras loss's name
+    (`"mse"`) as Keras's `compile` takes it, in a `LossFunctionWrapper` (the mean over the
+    batch, in float32)."""
+    if isinstance(loss_fn, str):
+        try:
+            return as_compiled(keras.losses.get(loss_fn))
+        except ValueError as err:
+            raise ValueError(
+                "loss_fn must be a callable or the name of a Keras loss, as compile(loss=...) "
+                "takes it (e.g. 'mse', 'sparse_categorical_crossentropy'). "
+                f"Received: loss_fn={loss_fn!r}"
+            ) from err
+    if not callable(loss_fn):
+        raise TypeError(
+            "loss_fn must be a callable (e.g. a keras.losses.Loss) or the name of a Keras "
+            f"loss. Received: loss_fn={loss_fn!r}"
+        )
+    return loss_fn
+
+
 def make_train_step(
     model: keras.Model,
     loss_fn: Callable[..., Any],
@@ -353,9 +376,11 @@ def make_train_step(
     Args:
         model: `keras.Model`. The model to train.
         loss_fn: Callable `(y_true, y_pred)` or `(y_true, y_pred, sample_weight)` returning the
-            loss (e.g. a `keras.losses.Loss`).
-        optimizer: `keras.optimizers.Optimizer` or `tfmixprec.LossScaleOptimizer`; a plain one is
-            wrapped (dynamic scale if the model computes in float16, else a fixed scale of 1).
+            loss (e.g. a `keras.losses.Loss`), or the name of a Keras loss (`"mse"`), as
+            Keras's `compile(loss=...)` takes it.
+        optimizer: `keras.optimizers.Optimizer`, its name (`"sgd"`), or a
+            `tfmixprec.LossScaleOptimizer`; a plain one is wrapped (dynamic scale if the model
+            computes in float16, else a fixed scale of 1).
         jit_compile: Bool. Compile the step with XLA.
 
     Returns:
@@ -363,9 +388,14 @@ def make_train_step(
         `{"loss", "loss_scale", "overflow", "overflow_steps", "skipped_fraction"}`; its
         `optimizer` attribute is the wrapper used.
 
+    Raises:
+        TypeError: If `model` is not a `keras.Model`, or `loss_fn` or `optimizer` is neither
+            one nor a name.
+        ValueError: If `loss_fn` or `optimizer` is a name Keras does not know.
+
     Example:
 
-    >>> step = tfmixprec.make_train_step(model, keras.losses.MeanSquaredError(), "adam")
+    >>> step = tfmixprec.make_train_step(model, "mse", "adam")
     >>> for x, y in dataset:
     ...     logs = step(x, y)
     """
@@ -373,8 +403,7 @@ def make_train_step(
         raise TypeError(
             f"model must be a keras.Model. Received: model of type {type(model).__name__}"
         )
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable. Received: loss_fn={loss_fn!r}")
+    loss_fn = _loss_function(loss_fn)
     optimizer = _optimizer_for(model, optimizer)
 
     def step(x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import keras
 from tfmixprec._common.layers import check_built_model, forget_traced_functions, iter_layers
 from tfmixprec._common.observe import observe
 from tfmixprec._common.text import docs_page
+from tfmixprec._keras.settings import global_policy, restore_global_policy
 from tfmixprec.precision import cpu_float16
 from tfmixprec.precision.hardware import GPUInfo, HardwareInfo, detect_hardware
 
@@ -225,7 +226,8 @@ def _warn_float16_without_gpu(name: str, hardware: HardwareInfo | None) -> None:
 
 @contextlib.contextmanager
 def policy_scope(name: str, hardware: HardwareInfo | None = None) -> Iterator[Any]:
-    """Sets the global policy inside a `with` block and restores the previous one on exit.
+    """Sets the global policy inside a `with` block and restores the previous one on exit
+    (a global policy that was never set is left unset again, as Keras had it).
 
     Args:
         name: String. As for `set_policy`.
@@ -240,11 +242,11 @@ def policy_scope(name: str, hardware: HardwareInfo | None = None) -> Iterator[An
     ...     model = build_model()
     """
     check_policy_name(name)  # fail before touching the global policy
-    previous = keras.config.dtype_policy()
+    previous = global_policy()  # None while unset: reading it through Keras would set it
     try:
         yield set_policy(name, hardware)
     finally:
-        keras.config.set_dtype_policy(previous)
+        restore_global_policy(previous)
 
 
 def _activation_name(layer: Any) -> str | None:

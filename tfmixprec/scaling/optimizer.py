@@ -66,37 +66,39 @@ CONFIG_NAMES = (
 )
 
 
-def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
-    if isinstance(inner_optimizer, str):
+def resolve_optimizer(optimizer: Any, arg: str = "inner_optimizer") -> keras.optimizers.Optimizer:
+    """The Keras 3 optimizer `optimizer` is or names (`keras.optimizers.get`), or an error
+    naming the argument `arg` the caller was given it as (`optimizer` for `compile`)."""
+    if isinstance(optimizer, str):
         try:
-            inner_optimizer = keras.optimizers.get(inner_optimizer)
+            optimizer = keras.optimizers.get(optimizer)
         except ValueError as err:
             raise ValueError(
-                "inner_optimizer must be a Keras 3 optimizer or the name of one "
-                f"(e.g. 'adam'). Received: inner_optimizer={inner_optimizer!r}"
+                f"{arg} must be a Keras 3 optimizer or the name of one "
+                f"(e.g. 'adam'). Received: {arg}={optimizer!r}"
             ) from err
-    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise TypeError(
-            "inner_optimizer is already a LossScaleOptimizer "
-            f"({type(inner_optimizer).__name__}); wrapping it again would scale the loss "
+            f"{arg} is already a LossScaleOptimizer "
+            f"({type(optimizer).__name__}); wrapping it again would scale the loss "
             "twice. Use it as it is, or wrap its `inner_optimizer`. Received: "
-            f"inner_optimizer={inner_optimizer!r}"
+            f"{arg}={optimizer!r}"
         )
-    if isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        return inner_optimizer
-    module = type(inner_optimizer).__module__ or ""
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer
+    module = type(optimizer).__module__ or ""
     if module.startswith(("tf_keras", "tensorflow", "keras.optimizers.legacy")) or hasattr(
-        inner_optimizer, "compute_gradients"
+        optimizer, "compute_gradients"
     ):
         raise TypeError(
-            "inner_optimizer must be a Keras 3 optimizer, but received a tf-keras / "
-            f"Keras 2 / TF1 optimizer of type {module}.{type(inner_optimizer).__name__}. "
+            f"{arg} must be a Keras 3 optimizer, but received a tf-keras / "
+            f"Keras 2 / TF1 optimizer of type {module}.{type(optimizer).__name__}. "
             "Create it with Keras 3 instead, e.g. keras.optimizers.Adam(...)."
         )
     raise TypeError(
-        "inner_optimizer must be a Keras 3 optimizer (keras.optimizers.Optimizer), "
-        f"e.g. keras.optimizers.Adam(). Received: inner_optimizer={inner_optimizer!r} "
-        f"of type {type(inner_optimizer).__name__}"
+        f"{arg} must be a Keras 3 optimizer (keras.optimizers.Optimizer), "
+        f"e.g. keras.optimizers.Adam(). Received: {arg}={optimizer!r} "
+        f"of type {type(optimizer).__name__}"
     )
 
 
@@ -242,7 +244,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         )
         accumulation_steps = check_int_at_least_one("accumulation_steps", accumulation_steps)
         on_min_scale = _check_on_min_scale(on_min_scale)
-        inner_optimizer = _resolve_inner(inner_optimizer)
+        inner_optimizer = resolve_optimizer(inner_optimizer)
         growth_steps = config.growth_interval if config.dynamic else None
         super().__init__(inner_optimizer, config.initial_scale, growth_steps, name=name, **kwargs)
         self.loss_scale_config = config
