@@ -53,6 +53,9 @@ def test_mkdocs_build_strict(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "WARNING" not in result.stderr, result.stderr
+    # The docs extra's formatter (ruff) is installed with mkdocstrings: signatures formatted.
+    assert "Formatting signatures requires" not in result.stderr, result.stderr
+    assert 'href="../stylesheets/extra.css"' in (site / "reference" / "index.html").read_text()
     for page in ("", "benchmarks/", "reference/", "ARCHITECTURE/", "changelog/"):
         assert (site / page / "index.html").is_file(), page
     for guide in GUIDES:
@@ -64,6 +67,22 @@ def test_mkdocs_build_strict(tmp_path):
     # benchmarks/RESULTS.md: included, not a link.
     assert "Keras 3 <code>LossScaleOptimizer</code>" in (site / "index.html").read_text()
     assert "Benchmark results" in (site / "benchmarks" / "index.html").read_text()
+
+
+def test_the_docs_extra_installs_a_signature_formatter():
+    """mkdocstrings formats signatures with Black or Ruff only: the docs extra holds one."""
+    text = (ROOT / "pyproject.toml").read_text()
+    docs = text.split("\ndocs = [\n", 1)[1].split("\n]", 1)[0]
+    assert re.search(r'^\s*"(ruff|black)\b', docs, re.M), docs
+
+
+def test_code_blocks_wrap_long_lines_instead_of_scrolling():
+    """The site's CSS (mkdocs.yml's extra_css) wraps code lines longer than the column: the
+    docs' 100-character lines kept their end-of-line comments behind a scrollbar."""
+    text = (ROOT / "mkdocs.yml").read_text()
+    assert "extra_css:\n  - stylesheets/extra.css\n" in text
+    css = (DOCS / "stylesheets" / "extra.css").read_text()
+    assert re.search(r"\.md-typeset pre > code \{[^}]*white-space: pre-wrap;", css)
 
 
 def _nav_pages() -> list[str]:
