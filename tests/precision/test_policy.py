@@ -5,6 +5,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfmixprec
 from tfmixprec import GPUInfo, HardwareInfo
@@ -216,6 +217,124 @@ def test_float32_outputs_bad_input_changes_nothing():
     with pytest.raises(ValueError, match=r"Model 'lazy' is not built.*model.build\(input_shape\)"):
         tfmixprec.float32_outputs(unbuilt)
     assert unbuilt.layers[0].dtype_policy.name == "mixed_float16"
+
+
+# ---------------------------------------------------------- float32_outputs(softmax=True)
+def _attention_model():
+    """Tokens -> MultiHeadAttention (dropout > 0: its own Softmax layer runs) -> a standalone
+    Softmax over the features -> a log-softmax Activation -> Dense(softmax) -> the output."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 8))
+    attended = keras.layers.MultiHeadAttention(2, 4, dropout=0.1, name="attention")(inputs, inputs)
+    weights = keras.layers.Softmax(name="feature_softmax")(attended)
+    mixed = keras.layers.Multiply(name="reweigh")([weights, attended])
+    logs = keras.layers.Activation("log_softmax", name="log_probs")(mixed)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(logs)
+    hidden = keras.layers.Dense(8, activation="softmax", name="gating")(pooled)
+    outputs = keras.layers.Dense(3, name="logits")(hidden)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_float32_outputs_softmax_moves_every_standalone_softmax_layer(policy, tmp_path):
+    low = policy.split("_")[1]
+    with tfmixprec.policy_scope(policy):
+        model = _attention_model()
+    x = np.random.default_rng(0).normal(size=(2, 6, 8)).astype("float32")
+    before = _weights(model)
+    assert [c.layer for c in tfmixprec.float32_outputs(model)] == ["logits"]  # the default
+    assert model.get_layer("feature_softmax").dtype_policy.name == policy
+    changes = tfmixprec.float32_outputs(model, softmax=True)
+    assert [(c.layer, c.old, c.new, c.why) for c in changes] == [
+        ("feature_softmax", policy, "float32", "Softmax layer (softmax=True)"),
+        ("log_probs", policy, "float32", "log_softmax activation (softmax=True)"),
+    ]
+    assert tfmixprec.float32_outputs(model, softmax=True) == []  # a second call: nothing
+    for a, b in zip(before, _weights(model)):
+        assert a.tobytes() == b.tobytes()  # no weight value changed
+    # The attention's own softmax keeps the attention's dtype (its product with the values
+    # shares it), and a Dense's softmax activation its matmul's.
+    attention = model.get_layer("attention")
+    assert attention._softmax.dtype_policy.name == attention.dtype_policy.name == policy
+    assert model.get_layer("gating").dtype_policy.name == policy
+    # A real call computes the softmax layers in float32 and the layers after them in `low`.
+    probe = keras.Model(
+        model.input,
+        [model.get_layer(n).output for n in ("feature_softmax", "reweigh", "log_probs")],
+    )
+    assert [t.dtype.name for t in probe(x)] == ["float32", low, "float32"]
+    assert np.isfinite(model.predict(x, verbose=0)).all()
+    # A .keras file keeps the float32 policies.
+    path = tmp_path / "softmax.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    names = ("feature_softmax", "log_probs", "logits", "gating", "reweigh")
+    assert [loaded.get_layer(n).dtype_policy.name for n in names] == [
+        "float32",
+        "float32",
+        "float32",
+        policy,
+        policy,
+    ]
+    assert loaded.get_layer("attention")._softmax.dtype_policy.name == policy
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_float32_outputs_softmax_reaches_nested_models_not_other_layers():
+    """A Softmax of a nested model is standalone; one held inside a plain layer is the
+    layer's own (as MultiHeadAttention's is) and keeps its dtype."""
+
+    class Gate(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.softmax = keras.layers.Softmax()
+
+        def call(self, x):
+            return x * self.softmax(x)
+
+    tfmixprec.set_policy("mixed_float16")
+    inner = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Softmax(name="inner_softmax")], name="inner"
+    )
+    inputs = keras.Input((4,))
+    gated = Gate(name="gate")(inputs)
+    outputs = keras.layers.Dense(2, dtype="float32", name="out")(inner(gated))
+    model = keras.Model(inputs, outputs)
+    changes = tfmixprec.float32_outputs(model, softmax=True)
+    assert [c.layer for c in changes] == ["inner_softmax"]
+    assert model.get_layer("gate").softmax.dtype_policy.name == "mixed_float16"
+
+
+def test_float32_outputs_softmax_puts_back_a_model_that_no_longer_calls():
+    """A subclassed call that multiplies the softmax's output by a float16 tensor with a raw
+    TensorFlow op fails once the softmax is float32: the policies go back, with an error."""
+
+    class RawProduct(keras.Model):
+        def __init__(self):
+            super().__init__(name="raw_product")
+            self.hidden = keras.layers.Dense(4, name="hidden")
+            self.probs = keras.layers.Softmax(name="probs")
+            self.out = keras.layers.Dense(2, dtype="float32", name="out")
+
+        def call(self, x):
+            hidden = self.hidden(x)
+            return self.out(tf.matmul(self.probs(hidden), hidden, transpose_b=True))
+
+    tfmixprec.set_policy("mixed_float16")
+    model = RawProduct()
+    model(np.zeros((2, 4), "float32"))
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"(?s)^Model 'raw_product' fails to call with these layers in float32, so they are "
+            r"back as they were: probs \(.*Received: softmax=True$"
+        ),
+    ):
+        tfmixprec.float32_outputs(model, softmax=True)
+    assert model.probs.dtype_policy.name == "mixed_float16"
+    assert model(np.zeros((2, 4), "float32")).shape == (2, 2)
+    with pytest.raises(TypeError, match=r"^softmax must be a bool. Received: softmax='yes'$"):
+        tfmixprec.float32_outputs(model, softmax="yes")
 
 
 # ------------------------------------------------------------- mixed_float16 without a GPU

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -13,7 +14,7 @@ from typing import Any
 import keras
 
 from tfmixprec._common.layers import check_built_model, forget_traced_functions, iter_layers
-from tfmixprec._common.observe import observe
+from tfmixprec._common.observe import Observation, observe
 from tfmixprec._common.text import docs_page
 from tfmixprec._keras.settings import global_policy, restore_global_policy
 from tfmixprec.precision import cpu_float16
@@ -266,17 +267,28 @@ def float32_reason(layer: Any) -> str | None:
     return None
 
 
-def float32_outputs(model: keras.Model) -> list[PolicyChange]:
-    """Makes the layers that produce float16/bfloat16 model outputs compute in float32.
+def float32_outputs(model: keras.Model, softmax: bool = False) -> list[PolicyChange]:
+    """Makes the layers that produce float16/bfloat16 model outputs compute in float32, and
+    with `softmax=True` every standalone softmax layer of the model too.
 
     The loss sees the model's outputs: a softmax (or any output) in float16 saturates and
     loses the small probabilities whose log the loss takes. Which outputs are float16 or
     bfloat16 is read from one real call of the model on a batch of zeros, not from the
     layers' policies (KerasHub's causal LMs return float32 logits from a float16 layer:
-    nothing to change there). Softmax, sigmoid and log-softmax layers inside the model are
-    left alone: their consumers compute in float16/bfloat16 anyway, where a float32 softmax
-    changes nothing measurable (`benchmarks/softmax_precision.py`), and an attention whose
-    softmax turned float32 would compute its product with the values in float32 too.
+    nothing to change there).
+
+    A softmax inside the model is left alone by default, as measured
+    (`benchmarks/RESULTS.md`, section 7): its consumers compute in float16/bfloat16 anyway;
+    through a float16 softmax an attention output is at most 1.3 float16 epsilons from
+    float64 (0.6 through a float32 softmax) and the score gradient 2.8 (0.6), and a GPT-2
+    trained with its attention softmax in float16 or in float32 reached the same loss to 4
+    digits (5.3193 and 5.3191 after 30 steps; the policy, not the softmax, moves it 0.9% from
+    float32). `softmax=True` still gives PyTorch autocast's rule, every softmax in float32,
+    to the layers that are a softmax by themselves: each `keras.layers.Softmax` and each
+    `Activation("softmax")` / `Activation("log_softmax")` among the model's layers (nested
+    models' included). A softmax inside another layer is not one: `MultiHeadAttention`'s own
+    `Softmax` stays in the attention's dtype, since its product with the values must share
+    it, and so does a `Dense(activation="softmax")`, whose matmul would turn float32 too.
 
     Works on built Sequential, functional and subclassed models, nested ones included. No
     weight value changes (mixed policies already store variables in float32); a second call
@@ -284,14 +296,16 @@ def float32_outputs(model: keras.Model) -> list[PolicyChange]:
 
     Args:
         model: `keras.Model`. A built model.
+        softmax: Bool. Also make every standalone softmax layer compute in float32.
 
     Returns:
         List of `PolicyChange(layer, old, new, why)`, one per changed layer.
 
     Raises:
-        TypeError: If `model` is not a `keras.Model`.
+        TypeError: If `model` is not a `keras.Model` or `softmax` is not a bool.
         ValueError: If the model is not built, or is a subclassed model that cannot be called
-            on a batch of zeros.
+            on a batch of zeros (before or after the change: a model whose call fails with
+            its softmax layers in float32 is put back as it was).
 
     Example:
 
@@ -302,15 +316,68 @@ def float32_outputs(model: keras.Model) -> list[PolicyChange]:
     ['probs']
     """
     check_built_model(model, "float32_outputs")
+    if not isinstance(softmax, bool):
+        raise TypeError(f"softmax must be a bool. Received: softmax={softmax!r}")
     # Decide everything first, then change: nothing is half-changed on error.
-    changes = _float32_changes(observe(model).outputs)
+    before = observe(model)
+    changes = _float32_changes(before.outputs)
+    if softmax:
+        changes = _with_softmax_layers(model, changes)
     if not changes:
         return []
+    previous = [(layer, layer.dtype_policy) for layer, _ in changes]
     recorded = compute_in_float32(model, [layer for layer, _ in changes])
+    try:
+        after = observe(model)  # the model must still run
+        if after.error and not before.error:
+            raise ValueError(after.error)
+    except ValueError as err:
+        compute_in_float32(model, [layer for layer, _ in previous], dict(previous).get)
+        raise ValueError(
+            f"Model {model.name!r} fails to call with these layers in float32, so they are "
+            f"back as they were: {', '.join(change.layer for _, change in changes)} "
+            f"({_cause(err)}). Received: softmax={softmax!r}"
+        ) from err
+    _warn_if_still_low(model, after)
     if not recorded:
         _warn_if_not_saved(model, [change for _, change in changes])
-    _warn_if_still_low(model)
     return [change for _, change in changes]
+
+
+def _cause(err: Exception) -> str:
+    """The error under `err` (what the model's call raised), on one line, without colors."""
+    cause = err.__cause__ or err
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(cause)).split())
+    return f"{type(cause).__name__}: {text}"
+
+
+def standalone_softmax_layers(model: keras.Model) -> list[Any]:
+    """The layers of `model` (and of the models nested in it, not of other layers) that are a
+    softmax by themselves: `keras.layers.Softmax`, `Activation("softmax"/"log_softmax")`."""
+    found = []
+    for layer in model.layers:
+        if isinstance(layer, keras.Model):
+            found += standalone_softmax_layers(layer)
+        elif isinstance(layer, keras.layers.Softmax) or (
+            isinstance(layer, keras.layers.Activation)
+            and _activation_name(layer) in ("softmax", "log_softmax")
+        ):
+            found.append(layer)
+    return found
+
+
+def _with_softmax_layers(
+    model: keras.Model, changes: list[tuple[Any, PolicyChange]]
+) -> list[tuple[Any, PolicyChange]]:
+    """`changes` and a change for each standalone softmax layer in float16/bfloat16."""
+    seen = {id(layer) for layer, _ in changes}
+    for layer in standalone_softmax_layers(model):
+        policy = layer.dtype_policy
+        if id(layer) not in seen and policy.compute_dtype in LOW_PRECISION:
+            seen.add(id(layer))
+            why = f"{float32_reason(layer)} (softmax=True)"
+            changes.append((layer, PolicyChange(layer.name, policy.name, "float32", why)))
+    return changes
 
 
 def compute_in_float32(
@@ -356,10 +423,10 @@ def _float32_changes(outputs: Sequence[Any]) -> list[tuple[Any, PolicyChange]]:
     return list(changes.values())
 
 
-def _warn_if_still_low(model: keras.Model) -> None:
-    """Warns of model outputs still in float16/bfloat16 after the change: made by an
-    operation no layer's dtype controls."""
-    left = [out.dtype for out in observe(model).outputs if out.dtype in LOW_PRECISION]
+def _warn_if_still_low(model: keras.Model, observed: Observation) -> None:
+    """Warns of model outputs still in float16/bfloat16 after the change (`observed`: a call
+    after it): made by an operation no layer's dtype controls."""
+    left = [out.dtype for out in observed.outputs if out.dtype in LOW_PRECISION]
     if left:
         warnings.warn(
             f"float32_outputs left {len(left)} output(s) of model {model.name!r} in {left[0]}: "
