@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tfmixprec
 from tfmixprec import GPUInfo, HardwareInfo
+from tfmixprec._common.layers import iter_layers
 from tfmixprec._keras.settings import global_policy, restore_global_policy
 
 V100 = GPUInfo("Tesla V100-SXM2-16GB", (7, 0))
@@ -278,6 +279,28 @@ def test_float32_outputs_softmax_moves_every_standalone_softmax_layer(policy, tm
     ]
     assert loaded.get_layer("attention")._softmax.dtype_policy.name == policy
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_float32_outputs_softmax_leaves_a_kerashub_gpt2s_attention_softmax():
+    """KerasHub's GPT-2 (dropout > 0) runs each attention's softmax as a Softmax layer inside
+    its decoder layers: no standalone softmax, nothing to change (its logits are float32)."""
+    keras_hub = pytest.importorskip("keras_hub")  # the minimum-versions run has no KerasHub
+    with tfmixprec.policy_scope("mixed_float16"):
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=64,
+            num_layers=1,
+            num_heads=2,
+            hidden_dim=16,
+            intermediate_dim=32,
+            dropout=0.1,
+            max_sequence_length=8,
+        )
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    inner = [layer for layer in iter_layers(model) if isinstance(layer, keras.layers.Softmax)]
+    assert inner  # the attention's own
+    assert tfmixprec.float32_outputs(model, softmax=True) == []
+    assert {layer.dtype_policy.name for layer in inner} == {"mixed_float16"}
 
 
 def test_float32_outputs_softmax_reaches_nested_models_not_other_layers():
