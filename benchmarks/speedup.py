@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\n{model} (size {size}, batch {batch})")
         print(bench.format_table(results))
         all_results.extend(results)
-    by_key = {(r.model, r.policy, r.stack): r for r in all_results}
+    # A policy asked under two names (auto and the one it picks) is one result.
+    by_key = {(r.model, name, r.stack): r for r in all_results for name in r.asked or (r.policy,)}
     print("\nauto vs raw Keras bfloat16 (tfmixprec auto throughput / keras mixed_bfloat16):")
     for model in args.models:
         auto = by_key.get((model, "auto", "tfmixprec"))

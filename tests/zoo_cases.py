@@ -52,19 +52,13 @@ def test_every_audit_error_is_true_and_float32_outputs_fixes_it(zoo_run):
     assert zoo_run.audit_after.errors == []
 
 
-def test_warnings_are_only_matmul_and_convolution_sizes(zoo_run):
-    """Every warning is a Tensor Core size that really is not a multiple of 8 (or of 4, an
-    image's channels): the grouped-query projections (2 or 1 key/value heads of 8) are not
-    reported, nor are embedding lookups."""
-    for finding in zoo_run.audit_before.warnings:
-        assert finding.code == "tensor-core-alignment", finding
-        size = int(finding.message.split(" is ")[-1].split(",")[0])
-        alignment = 4 if "first convolution" in finding.message else 8
-        assert size % alignment, finding
-    layers = {f.layer for f in zoo_run.audit_before.warnings}
-    expected = {"bert": {"logits"}, "vit": {"predictions", "patch_embedding"}}
-    expected["resnet"] = {"predictions", "conv1_conv"}
-    assert layers == expected.get(zoo_run.name, set())
+def test_no_warnings_the_tiny_models_products_are_too_small_for_alignment(zoo_run):
+    """Tensor Core sizes are the audit's only warnings, and only for products whose N and K
+    are both 128 or more (`audit.LARGE_PRODUCT`): the tiny zoo models have none (their
+    grouped-query projections of 2 or 1 heads of 8 and their 10-class heads among them), so
+    no warning, nor an alignment info on a machine without a GPU."""
+    assert zoo_run.audit_before.warnings == []
+    assert [f for f in zoo_run.audit_before.findings if f.code == "tensor-core-alignment"] == []
 
 
 def test_fit_with_every_callback(zoo_run):

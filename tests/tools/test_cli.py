@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import zipfile
@@ -13,6 +14,8 @@ import pytest
 import tensorflow as tf
 
 import tfmixprec
+from tfmixprec.precision.hardware import HardwareInfo
+from tfmixprec.tools import bench
 
 SCRIPT = Path(sys.executable).parent / "tfmixprec"
 # A line TensorFlow's C++ logs (severity, date, time, thread, file:line): its ERROR lines
@@ -177,35 +180,84 @@ def test_demo_trains_and_reports(tmp_path):
 
 
 def test_bench_table():
+    """The default policies: auto shares the row of the policy it picks here, which is timed
+    once; two repeats give each ratio's range, with the line that says how to read it."""
+    picked = tfmixprec.choose_policy().name  # mixed_bfloat16 with AVX512_BF16/AMX, else float32
     code, out, err = run(
-        "bench",
-        "--size",
-        "64",
-        "--batch-size",
-        "32",
-        "--steps",
-        "2",
-        "--repeats",
-        "1",
-        "--policies",
-        "float32",
-        "mixed_bfloat16",
+        "bench", "--size", "64", "--batch-size", "32", "--steps", "2", "--repeats", "2"
     )
     assert code == 0, err[-2000:]
     lines = out.strip().splitlines()
     assert lines[0].startswith("machine: ")
-    assert "vs float32" in lines[1]
+    assert lines[1].split()[-2:] == ["float32", "min-max"]
     rows = [line for line in lines if line.startswith("mlp")]
-    assert len(rows) == 2
-    assert rows[0].split()[1] == "float32" and rows[0].endswith("1.00x")
-    assert rows[1].split()[1] == "mixed_bfloat16"
-    # Progress on stderr while it runs: each warm-up, then the time left after each run.
+    labels = [f"float32{' (auto)' if picked == 'float32' else ''}"]
+    labels.append(f"mixed_bfloat16{' (auto)' if picked == 'mixed_bfloat16' else ''}")
+    assert [row[12:39].strip() for row in rows] == labels
+    assert rows[0].endswith("1.00x")  # float32 against itself: no range
+    assert re.fullmatch(r"\d+\.\d\dx \d+\.\d\d-\d+\.\d\dx", " ".join(rows[1].split()[-2:]))
+    assert bench.SPREAD_NOTE in out
+    # Progress on stderr: each warm-up with the time left in all (the warm-ups to come
+    # included), then the time left after each run.
     progress = [line for line in err.splitlines() if line.startswith("bench: ")]
-    assert progress[0].startswith("bench: warmed up 1/2: float32, tfmixprec ")
-    assert progress[1].startswith("bench: warmed up 2/2: mixed_bfloat16, tfmixprec ")
-    assert re.fullmatch(r"bench: timing 1 runs of each: about \d+ s", progress[2])
-    assert re.fullmatch(r"bench: run 1/1 of each done, about 0 s left", progress[3])
-    assert len(progress) == 4
+    left = r"ms/step \(\d+ s with tracing\), about \d+ s left in all"
+    assert re.fullmatch(
+        rf"bench: warmed up 1/2: {re.escape(labels[0])}, tfmixprec [\d.]+ {left}", progress[0]
+    )
+    assert re.fullmatch(
+        rf"bench: warmed up 2/2: {re.escape(labels[1])}, tfmixprec [\d.]+ {left}", progress[1]
+    )
+    assert re.fullmatch(r"bench: timing 2 runs of each: about \d+ s", progress[2])
+    assert re.fullmatch(r"bench: run 1/2 of each done, about \d+ s left", progress[3])
+    assert re.fullmatch(r"bench: run 2/2 of each done, about 0 s left", progress[4])
+    assert len(progress) == 5
+
+
+def test_each_policy_is_timed_once_under_the_names_that_ask_for_it():
+    bf16 = HardwareInfo(cpu_name="Test CPU", cpu_flags=frozenset({"avx512_bf16"}))
+    plain = HardwareInfo(cpu_name="Test CPU")
+    asked = ["float32", "mixed_bfloat16", "auto", "mixed_bfloat16"]
+    assert bench.distinct_policies(asked, bf16) == [("float32",), ("mixed_bfloat16", "auto")]
+    assert bench.distinct_policies(asked, plain) == [("float32", "auto"), ("mixed_bfloat16",)]
+    assert bench.distinct_policies(["auto"], bf16) == [("auto",)]
+
+    def result(asked, resolved):
+        return bench.BenchResult("m", asked[0], resolved, "keras", 8, 1.0, 8.0, [1.0], asked)
+
+    assert result(("mixed_bfloat16", "auto"), "mixed_bfloat16").label == "mixed_bfloat16 (auto)"
+    assert result(("auto",), "mixed_bfloat16").label == "mixed_bfloat16 (auto)"
+    assert result(("float32",), "float32").label == "float32"
+
+
+def test_the_table_shows_the_paired_ratios_median_and_range():
+    """Each repeat's throughput ratio to float32 of the same stack, paired by repeat: the
+    reporter's 2.75x and 1.55x are two repeats of one run, shown with their range."""
+
+    def result(policy, stack, batch, runs_ms):
+        step = statistics.median(runs_ms)
+        return bench.BenchResult(
+            "mlp", policy, policy, stack, batch, step, batch * 1000 / step, runs_ms
+        )
+
+    results = [
+        result("float32", "keras", 16, [100.0, 110.0, 275.0]),
+        result("mixed_bfloat16", "keras", 16, [40.0, 71.0, 100.0]),
+        result("mixed_float16", "tfmixprec", 8, [25.0, 25.0, 25.0]),  # the model's float32
+    ]
+    assert [bench.paired_ratios(r, results) for r in results] == [
+        pytest.approx([1.0, 1.0, 1.0]),
+        pytest.approx([2.5, 110 / 71, 2.75]),
+        pytest.approx([2.0, 2.2, 5.5]),
+    ]
+    table = bench.format_table(results).splitlines()
+    assert [line.split()[-2:] for line in table[2:5]] == [
+        ["145.5", "1.00x"],
+        ["2.50x", "1.55-2.75x"],
+        ["2.20x", "2.00-5.50x"],
+    ]
+    assert table[5] == bench.SPREAD_NOTE
+    one = [result("float32", "keras", 16, [100.0]), result("mixed_bfloat16", "keras", 16, [50.0])]
+    assert bench.format_table(one).splitlines()[-1].endswith(" 2.00x")  # one repeat: no range
 
 
 USER_MODELS = """
@@ -615,6 +667,11 @@ def test_bench_help_says_the_defaults(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "steps per timed run, 2 or more (default: 20)" in help_text
     assert "timed runs per policy, the median reported (default: 3)" in help_text
+    # What a long model costs, before it is run: the zoo's, and why.
+    assert "A zoo model runs at its bench size" in help_text
+    assert "gpt2 took 7 min 18 s with the defaults" in help_text
+    assert "the first step traces it" in help_text
+    assert "'min-max' their range" in help_text
 
 
 def test_bench_model_names_match_the_package():
@@ -624,6 +681,11 @@ def test_bench_model_names_match_the_package():
 
     assert _tfmixprec_args.BENCH_MODELS == bench.MODELS
     assert _tfmixprec_args.ZOO_MODELS == tuple(zoo.MODELS)
+    # The command table of the docs names them all, and the function forms.
+    page = (Path(__file__).parents[2] / "docs" / "index.md").read_text()
+    (row,) = [line for line in page.splitlines() if line.startswith("| `tfmixprec bench")]
+    for name in (*bench.MODELS, *zoo.MODELS, "MODULE:FUNCTION", "FILE.py:FUNCTION"):
+        assert f"`{name}`" in row, name
 
 
 def test_recommend_from_results():

@@ -46,6 +46,17 @@ __all__ = ["Finding", "LayerDtypes", "AuditReport", "audit"]
 SEVERITIES = ("error", "warning", "info")
 ALIGNMENT = 8  # NVIDIA: multiples of 8 for float16 on Tensor Cores
 IMAGE_CHANNELS = 4  # NVIDIA: a first convolution on 3-channel images needs 4 at stride >= 2
+# The smaller of a matmul's N and K from which its Tensor Core alignment is reported. A
+# product of M x K by K x N in 16-bit does MNK / (MK + KN + MN) < min(M, N, K) flops per byte
+# it moves, so with N or K under 128 it does fewer than 128: below the ~140 (V100), 150-200
+# (A100) and 300 (H100) flops per byte at which Tensor Core math, which alignment speeds,
+# rather than memory sets its time. There padding buys little and costs much (a 10-class head
+# padded to 16 does 60% more work); from 128 on it costs at most 5.4% (7 in 129).
+LARGE_PRODUCT = 128
+# The most padding may add to a product's work to be advised: a convolution's K is its input
+# channels times its window, so 3 channels padded to 8 add 167% even where K is large. An
+# image's first convolution is the exception NVIDIA's guide makes itself (3 channels to 4).
+PADDING_COST = 0.125
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,39 +182,51 @@ def _padded(n: int, alignment: int = ALIGNMENT) -> int:
     return int(math.ceil(n / alignment) * alignment)
 
 
-def _sizes_to_align(layer: Any, context: _AuditContext) -> list[tuple[str, int]]:
+def _sizes_to_align(layer: Any, context: _AuditContext) -> list[tuple[str, int, int]]:
     """The sizes of `layer` that Tensor Cores want as multiples of 8: the N and K of the
     matmul it lowers to (for a convolution, its input and output channels, as NVIDIA's
-    guide states them). Gathers (an `Embedding` lookup) have none."""
+    guide states them), each with the smaller of its product's N and K (`LARGE_PRODUCT`).
+    Gathers (an `Embedding` lookup) have none."""
     if isinstance(layer, keras.layers.Dense):
-        return [("units", layer.units), ("input features", int(layer.kernel.shape[0]))]
+        return _both([("units", layer.units), ("input features", int(layer.kernel.shape[0]))])
     if isinstance(layer, keras.layers.Embedding):
-        return _reverse_projection_sizes(layer, context)
+        return _both(_reverse_projection_sizes(layer, context))
     if isinstance(layer, keras.layers.MultiHeadAttention):
-        sizes = [("head size (key_dim)", layer.key_dim)]
+        # Each head size is the K (key_dim, of the scores) or the N (value_dim, of the
+        # product with the values) of a product whose other size is the sequence's length.
+        sizes = [("head size (key_dim)", layer.key_dim, layer.key_dim)]
         if layer.value_dim and layer.value_dim != layer.key_dim:
-            sizes.append(("value head size (value_dim)", layer.value_dim))
+            sizes.append(("value head size (value_dim)", layer.value_dim, layer.value_dim))
         return sizes
     if isinstance(layer, keras.layers.EinsumDense):
-        return _einsum_sizes(layer)
+        return _both(_einsum_sizes(layer))
     if hasattr(layer, "pointwise_kernel"):  # SeparableConv1D/2D: a 1x1 convolution last
-        return [
-            ("filters", layer.filters),
-            ("pointwise input channels", int(layer.pointwise_kernel.shape[-2])),
-        ]
+        return _both(
+            [
+                ("filters", layer.filters),
+                ("pointwise input channels", int(layer.pointwise_kernel.shape[-2])),
+            ]
+        )
     if hasattr(layer, "filters") and hasattr(layer, "kernel_size") and hasattr(layer, "kernel"):
         return _convolution_sizes(layer, context)
     return []
 
 
-def _convolution_sizes(layer: Any, context: _AuditContext) -> list[tuple[str, int]]:
+def _both(sizes: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """The N and K of one product, each with the smaller of the two."""
+    smallest = min((size for _, size in sizes), default=0)
+    return [(what, size, smallest) for what, size in sizes]
+
+
+def _convolution_sizes(layer: Any, context: _AuditContext) -> list[tuple[str, int, int]]:
     """A convolution's filters and input channels (per group, for a grouped convolution: each
     group is a convolution of its own). NVIDIA's guide: multiples of 8 for float16, except the
     first layer of a CNN on 3-channel images, where 4 suffice at a stride of 2 or more
     (reported against 4 there: `_padded` rounds to the size's own alignment): a convolution
     that reads the model's inputs, as the observed call shows, itself or through layers that
     keep the image's channels (`_hands_on_channels`: a `Rescaling` and a `Normalization` in
-    front of EfficientNetV2's stem)."""
+    front of EfficientNetV2's stem). Lowered to a matmul, N is the filters and K the input
+    channels times the kernel's window (per group)."""
     transpose = "Transpose" in type(layer).__name__
     groups = 1 if transpose else getattr(layer, "groups", 1) or 1
     channels = int(layer.kernel.shape[-1] if transpose else layer.kernel.shape[-2])  # per group
@@ -215,9 +238,10 @@ def _convolution_sizes(layer: Any, context: _AuditContext) -> list[tuple[str, in
         observation.reads_model_inputs(call, _hands_on_channels)
         for call in observation.calls_of(layer)
     )
+    smallest = min(filters[1], channels * math.prod(tuple(layer.kernel_size)))
     if first and channels <= IMAGE_CHANNELS and min(strides) >= 2 and not transpose:
-        return [filters, (IMAGE_INPUT, channels)]
-    return [filters, ("input channels" + per, channels)]
+        return [(*filters, smallest), (IMAGE_INPUT, channels, smallest)]
+    return [(*filters, smallest), ("input channels" + per, channels, smallest)]
 
 
 def _hands_on_channels(call: LayerCall) -> bool:
@@ -298,6 +322,8 @@ class _AuditContext:
             under another policy (no machine findings then).
         followers: Frozenset of ints. The `id()`s of the policy objects that follow the
             model's own policy (a layer built with `dtype=` has a policy object of its own).
+        no_gpu: Bool. The findings are for a machine without a GPU or TPU: this one, for the
+            model as it is or under the policy recommended for it (`float32-model`).
     """
 
     model_policy: str
@@ -306,6 +332,7 @@ class _AuditContext:
     observation: Observation
     hardware: HardwareInfo | None
     followers: frozenset[int] = frozenset()
+    no_gpu: bool = False
 
     @property
     def leaves(self) -> list[Any]:
@@ -374,22 +401,33 @@ def _low_precision_output(layer: Any, context: _AuditContext) -> list[Finding]:
 
 
 def _tensor_core_alignment(layer: Any, context: _AuditContext) -> list[Finding]:
+    """Matmul and convolution sizes that are not multiples of 8 (4 for an image's first
+    convolution), in products large enough for it to matter (`LARGE_PRODUCT`) where padding
+    costs little (`PADDING_COST`): a warning, with what padding costs; an info on a machine
+    without a GPU, where it changes nothing."""
     compute = context.compute_dtype(layer)
     if compute not in LOW_PRECISION or not layer.built:  # an unbuilt layer never ran
         return []
     if float8.is_float8(layer):  # its sizes want multiples of 16: float8-misaligned's
         return []
     findings = []
-    for what, size in _sizes_to_align(layer, context):
+    for what, size, smallest in _sizes_to_align(layer, context):
         alignment = _alignment(what)
-        if size % alignment:
-            kind = "convolutions" if hasattr(layer, "kernel_size") else "matmuls"
-            message = (
-                f"{what} is {size}, not a multiple of {alignment}: Tensor Cores run {compute} "
-                f"{kind} fastest on multiples of {alignment}."
-            )
-            fix = f"Pad {what} to {_padded(size, alignment)}."
-            findings.append(Finding("warning", "tensor-core-alignment", layer.name, message, fix))
+        padded = _padded(size, alignment)
+        cost = (padded - size) / size
+        if cost == 0 or smallest < LARGE_PRODUCT or (cost > PADDING_COST and what != IMAGE_INPUT):
+            continue
+        kind = "convolutions" if hasattr(layer, "kernel_size") else "matmuls"
+        message = (
+            f"{what} is {size}, not a multiple of {alignment}: on a GPU, Tensor Cores run "
+            f"{compute} {kind} fastest on multiples of {alignment}; padding it to {padded} "
+            f"adds {cost:.1%} to the product's work."
+        )
+        severity = "warning"
+        if context.no_gpu:
+            severity, message = "info", message + " This machine has no GPU: only GPU runs gain."
+        fix = f"Pad {what} to {padded}."
+        findings.append(Finding(severity, "tensor-core-alignment", layer.name, message, fix))
     return findings
 
 
@@ -642,7 +680,9 @@ def _unobserved(model: keras.Model, context: _AuditContext) -> list[Finding]:
 
 
 def _loss_scaling(model: keras.Model, context: _AuditContext) -> list[Finding]:
-    """`not-compiled` (info) or `no-loss-scaling` (error) for a model computing in float16."""
+    """`not-compiled` (info) or `no-loss-scaling` (error) for a model computing in float16;
+    `keras-loss-scaling` (info) for a model audited under `mixed_float16` that was compiled
+    under another policy, whose optimizer its `compile` wraps there (`_wrapper_at_compile`)."""
     if not any(context.compute_dtype(layer) == "float16" for layer in context.leaves):
         return []
     optimizer = getattr(model, "optimizer", None)
@@ -653,11 +693,41 @@ def _loss_scaling(model: keras.Model, context: _AuditContext) -> list[Finding]:
         return [Finding("info", "not-compiled", None, message, _LOSS_SCALE_FIX)]
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return []
+    name = type(optimizer).__name__
+    wrapper = _wrapper_at_compile(model, context)
+    if wrapper is not None:
+        message = (
+            f"the model was compiled under {context.model_policy} with {name}; compiled the "
+            f"same way under mixed_float16, {wrapper}, so the loss is scaled."
+        )
+        fix = (
+            "None needed, unless you turn that off (compile(auto_scale_loss=False)): then "
+            "compile with tfmixprec.LossScaleOptimizer(your_optimizer)."
+        )
+        return [Finding("info", "keras-loss-scaling", None, message, fix)]
     message = (
-        f"the model computes in float16 but its optimizer {type(optimizer).__name__} does not "
-        "scale the loss: small gradients flush to zero."
+        f"the model computes in float16 but its optimizer {name} does not scale the loss: "
+        "small gradients flush to zero."
     )
     return [Finding("error", "no-loss-scaling", None, message, _LOSS_SCALE_FIX)]
+
+
+def _wrapper_at_compile(model: keras.Model, context: _AuditContext) -> str | None:
+    """What wraps the model's optimizer for loss scaling when it is compiled under the
+    audited policy, or None where nothing would. Keras's `compile` wraps it in its own
+    `LossScaleOptimizer` where `auto_scale_loss` is on (its default, which the model does not
+    keep) and the model's policy is exactly `mixed_float16`; a KerasHub task's `compile`
+    passes through to it (tfmixprec's `MixedPrecisionModel` has a tfmixprec
+    `LossScaleOptimizer` under any policy). A model compiled under `mixed_float16` already has
+    the optimizer it would get; a class with a `compile` of its own may do anything: None."""
+    if context.policy != "mixed_float16" or context.model_policy == "mixed_float16":
+        return None
+    if type(model).compile.__module__.split(".")[0] not in ("keras", "keras_hub"):
+        return None
+    return (
+        "Keras's compile wraps it in its own LossScaleOptimizer (auto_scale_loss=True, "
+        "compile's default)"
+    )
 
 
 def _cpu_float16_kernels(model: keras.Model, context: _AuditContext) -> list[Finding]:
@@ -746,7 +816,8 @@ def _float32_model(model: keras.Model, context: _AuditContext) -> list[Finding]:
         )
         return [Finding("info", "float32-model", None, message, fix)]
     skipped = None if context.observation.called else context.observation.error
-    found = _run_checks(model, _context(model, choice.name, None, context.followers, skipped))
+    recommended = _context(model, choice.name, None, context.followers, skipped)
+    found = _run_checks(model, dataclasses.replace(recommended, no_gpu=context.no_gpu))
     shown = [f"{f.code} [{f.layer or 'model'}] ({f.severity})" for f in found]
     what = "nothing to change" if not found else f"{_count(found)}: " + ", ".join(shown[:5])
     message = (
@@ -870,6 +941,7 @@ def _context(
         observation=observation,
         hardware=machine,
         followers=followers,
+        no_gpu=machine is not None and not (machine.gpus or machine.tpus),
     )
 
 
@@ -909,14 +981,18 @@ def audit(
     `low-precision-output` otherwise), since the loss sees them; a softmax inside the model
     (an attention's, say) feeds float16/bfloat16 layers and is not flagged (measured:
     `benchmarks/softmax_precision.py`). Matmul and convolution sizes that are not multiples
-    of 8 in float16/bfloat16 layers (warning, with the padded size): a `Dense`'s units and
+    of 8 in float16/bfloat16 layers, in products whose N and K are both 128 or more and
+    where padding adds at most 12.5% work (warning, with the padded size and its cost; an
+    info on a machine without a GPU, where only GPU runs gain): a `Dense`'s units and
     input features, an `EinsumDense`'s K and N as its einsum lowers to a matmul (dimensions
     it keeps per head are batch dimensions), a convolution's filters and input channels (4
     suffice for an image's first convolution at stride >= 2), an attention's head sizes, and
     the output projection of an embedding called in reverse; an embedding lookup is a gather
     and has none. A float16 model compiled without a LossScaleOptimizer (error; info if not
-    compiled); variables stored in float16/bfloat16 (error: master weights must stay
-    float32). A model that computes in float32 only gets a `float32-model` info: what the
+    compiled, and an info, `keras-loss-scaling`, for a model compiled with Keras's `compile`
+    under another policy and audited under `mixed_float16`, where Keras wraps it);
+    variables stored in float16/bfloat16 (error: master weights must stay float32). A model
+    that computes in float32 only gets a `float32-model` info: what the
     audit finds under `choose_policy()`'s recommendation. Layers quantized to float8 (Keras's
     `quantize("float8")`, as `model.quantize("float8")` does to every `Dense`), each judged
     once, as `float8_layers` would leave it out: a model output (error) or a softmax-like

@@ -51,13 +51,36 @@ class BenchResult:
     """One variant's timing."""
 
     model: str
-    policy: str  # as asked ("auto" stays "auto")
+    policy: str  # as asked first ("auto" stays "auto")
     resolved_policy: str
     stack: str  # "keras" (plain model.fit) or "tfmixprec" (MixedPrecisionModel)
     batch: int
     step_ms: float
     samples_per_s: float
-    runs_ms: list[float]
+    runs_ms: list[float]  # one per repeat, in the order of the repeats
+    asked: tuple[str, ...] = ()  # every name asked that resolved to this policy (one row)
+
+    @property
+    def label(self) -> str:
+        """The policy as the table shows it: `mixed_bfloat16 (auto)` where `auto` resolved to
+        it, whether `mixed_bfloat16` was asked too or not."""
+        return _policy_label(self.resolved_policy, self.asked or (self.policy,))
+
+
+def _policy_label(resolved: str, asked: Sequence[str]) -> str:
+    others = [name for name in asked if name != resolved]
+    return f"{resolved} ({', '.join(others)})" if others else resolved
+
+
+def distinct_policies(policies: Sequence[str], hardware: Any) -> list[tuple[str, ...]]:
+    """The names asked, grouped by the policy each resolves to (`"auto"` by
+    `choose_policy(hardware)`), in the order first asked: each policy is timed once."""
+    groups: dict[str, list[str]] = {}
+    for policy in policies:
+        resolved = choose_policy(hardware).name if policy == "auto" else check_policy_name(policy)
+        if policy not in groups.setdefault(resolved, []):
+            groups[resolved].append(policy)
+    return [tuple(asked) for asked in groups.values()]
 
 
 def _data(model: str, batch: int, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -377,7 +400,8 @@ def run_bench(
             then an estimate of the time left after each timed run (the command prints it).
 
     Returns:
-        List of `BenchResult`, in the order of `policies` x `stacks`.
+        List of `BenchResult`, in the order of `policies` x `stacks`; names that resolve to
+        one policy (`"auto"` and what it picks) share one result (`distinct_policies`).
     """
     _check_counts(policies, steps, repeats, batch)
     _check_bench_memory(model, size, batch, len(policies) * len(stacks))
@@ -394,8 +418,13 @@ def run_bench(
     sized = f"--model {model} --size {size} --batch-size {batch}: training"
     with _out_of_memory(sized, "Pass a smaller --size or --batch-size."):
         variants = [
-            _variant(model, policy, stack, size, hardware, (steps, batch), float16_steps_batch)
-            for policy in policies
+            {
+                **_variant(
+                    model, asked[0], stack, size, hardware, (steps, batch), float16_steps_batch
+                ),
+                "asked": asked,
+            }
+            for asked in distinct_policies(policies, hardware)
             for stack in stacks
         ]
         variants = [_with_data(v, dataset_for(v["batch"])) for v in variants]
@@ -426,38 +455,53 @@ def _timed_runs(
     notes: Sequence[str] = (),
 ) -> dict[int, list[float]]:
     """Each variant warmed up, then timed `repeats` times in alternating order: seconds per
-    step, per variant; `say` hears each warm-up, then the `notes` (after the first step of
-    every variant, so a model that cannot train under its first policy fails on one line),
-    and the time left after each round."""
-    warm = []
+    step, per variant. `say` hears each warm-up with the time left in all (the warm-ups still
+    to come included: a zoo model's take minutes), then the `notes`, and the time left after
+    each round. Nothing before the first warm-up is done, so a model that cannot train under
+    its first policy fails on one line."""
+    warm: list[float] = []
+    walls: list[float] = []
     for i, variant in enumerate(variants):
-        warm_steps = max(2, variant["steps"] // 4)
-        timer = time_fit(variant["net"], variant["data"], warm_steps)
+        start = time.perf_counter()
+        timer = time_fit(variant["net"], variant["data"], max(2, variant["steps"] // 4))
+        walls.append(time.perf_counter() - start)
         warm.append(timer.per_step)
         say(
             f"warmed up {i + 1}/{len(variants)}: {_label(variant)} "
-            f"{1000 * timer.per_step:.1f} ms/step"
+            f"{1000 * timer.per_step:.1f} ms/step ({walls[-1]:.0f} s with tracing), about "
+            f"{_duration(_time_left(variants, repeats, warm, walls))} left in all"
         )
     for note in notes:
         say(note)
     left = sum(repeats * v["steps"] * warm[i] for i, v in enumerate(variants))
     say(f"timing {repeats} runs of each: about {_duration(left)}")
     runs: dict[int, list[float]] = {i: [] for i in range(len(variants))}
+    start = time.perf_counter()
     for repeat in range(repeats):
         order = range(len(variants)) if repeat % 2 == 0 else reversed(range(len(variants)))
         for i in order:
             v = variants[i]
             runs[i].append(time_fit(v["net"], v["data"], v["steps"]).per_step)
-            left -= v["steps"] * warm[i]
-        say(f"run {repeat + 1}/{repeats} of each done, about {_duration(max(left, 0.0))} left")
+        # The rounds measured so far, fit's own set-up in each included, time the rest.
+        left = (repeats - repeat - 1) * (time.perf_counter() - start) / (repeat + 1)
+        say(f"run {repeat + 1}/{repeats} of each done, about {_duration(left)} left")
     return runs
 
 
+def _time_left(
+    variants: list[dict[str, Any]], repeats: int, warm: list[float], walls: list[float]
+) -> float:
+    """Seconds left after the warm-ups done so far: the warm-ups to come, each taken as long
+    as the mean of those done, and every timed run, a variant not warmed up yet taken at the
+    mean step time of those that are."""
+    per_step = [warm[i] if i < len(warm) else statistics.mean(warm) for i in range(len(variants))]
+    timed = sum(repeats * v["steps"] * per_step[i] for i, v in enumerate(variants))
+    return (len(variants) - len(walls)) * statistics.mean(walls) + timed
+
+
 def _label(variant: dict[str, Any]) -> str:
-    policy = variant["policy"]
-    if variant["resolved"] != policy:
-        policy = f"{policy} ({variant['resolved']})"
-    return f"{policy}, {variant['stack']}"
+    asked = variant.get("asked") or (variant["policy"],)
+    return f"{_policy_label(variant['resolved'], asked)}, {variant['stack']}"
 
 
 def _duration(seconds: float) -> str:
@@ -476,30 +520,55 @@ def _result(model: str, variant: dict[str, Any], runs: list[float]) -> BenchResu
         step_ms=1000 * step_s,
         samples_per_s=variant["batch"] / step_s,
         runs_ms=[1000 * r for r in runs],
+        asked=tuple(variant.get("asked", (variant["policy"],))),
     )
 
 
 def format_table(results: Sequence[BenchResult]) -> str:
     """A side-by-side table with the throughput ratio to float32 of the same stack (or of the
-    one float32 row a model has)."""
-    baseline = {r.model: r.samples_per_s for r in results if r.resolved_policy == "float32"}
-    baseline.update(
-        {(r.model, r.stack): r.samples_per_s for r in results if r.resolved_policy == "float32"}
-    )
+    one float32 row a model has): the median over the repeats of each repeat's ratio, and
+    their range (`paired_ratios`), with a line that says how to read them."""
     header = (
         f"{'model':12} {'policy':26} {'stack':10} {'batch':>6} {'ms/step':>10} "
-        f"{'samples/s':>10} {'vs float32':>10}"
+        f"{'samples/s':>10} {'vs float32':>10} {'min-max':>11}"
     )
     lines = [header, "-" * len(header)]
+    spread = False
     for r in results:
-        name = r.policy if r.policy == r.resolved_policy else f"{r.policy} ({r.resolved_policy})"
-        base = baseline.get((r.model, r.stack), baseline.get(r.model))
-        ratio = f"{r.samples_per_s / base:.2f}x" if base else "-"
+        ratios = paired_ratios(r, results)
+        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        shown = ""
+        if len(ratios) > 1 and r.resolved_policy != "float32":
+            shown, spread = f"{min(ratios):.2f}-{max(ratios):.2f}x", True
         lines.append(
-            f"{r.model:12} {name:26} {r.stack:10} {r.batch:6d} {r.step_ms:10.2f} "
-            f"{r.samples_per_s:10.1f} {ratio:>10}"
+            f"{r.model:12} {r.label:26} {r.stack:10} {r.batch:6d} {r.step_ms:10.2f} "
+            f"{r.samples_per_s:10.1f} {ratio:>10} {shown:>11}".rstrip()
         )
+    if spread:
+        lines.append(SPREAD_NOTE)
     return "\n".join(lines)
+
+
+SPREAD_NOTE = (
+    "vs float32: the median of the repeats' ratios (each repeat times every row once, back to "
+    "back); min-max: their range. A wide range means the machine's speed changed during the "
+    "run (other work, clocks): rerun with more --repeats before trusting one figure."
+)
+
+
+def paired_ratios(result: BenchResult, results: Sequence[BenchResult]) -> list[float]:
+    """`result`'s throughput over float32's in each repeat, paired by repeat (the runs of
+    one repeat are timed back to back), against the float32 row of the same model and stack,
+    or the one float32 row of the model; empty where there is none."""
+    float32 = [r for r in results if r.model == result.model and r.resolved_policy == "float32"]
+    same = [r for r in float32 if r.stack == result.stack]
+    base = (same or float32 or [None])[0]
+    if base is None:
+        return []
+    return [
+        (result.batch / ms) / (base.batch / base_ms)
+        for ms, base_ms in zip(result.runs_ms, base.runs_ms)
+    ]
 
 
 @contextlib.contextmanager
@@ -547,7 +616,8 @@ class Recommendation:
 
 
 def recommend(results: Sequence[BenchResult], margin: float = 1.05) -> Recommendation:
-    """The fastest measured policy, or float32 when no other ran `margin` times faster.
+    """The fastest measured policy, or float32 when no other ran `margin` times faster: by
+    the figure the table shows, the median of the repeats' paired ratios (`paired_ratios`).
 
     Args:
         results: `BenchResult`s of one model, a float32 one among them.
@@ -563,8 +633,9 @@ def recommend(results: Sequence[BenchResult], margin: float = 1.05) -> Recommend
     others = [r for r in results if r.resolved_policy != "float32"]
     if not others:
         raise ValueError("recommend needs a result under another policy than float32 too.")
-    best = max(others, key=lambda r: r.samples_per_s)
-    speedup = best.samples_per_s / base[0].samples_per_s
+    speedups = [statistics.median(paired_ratios(r, results)) for r in others]
+    speedup = max(speedups)
+    best = others[speedups.index(speedup)]
     auto = choose_policy(detect_hardware()).name
     if speedup < margin:
         ran = f" (best: {best.resolved_policy}, {best.stack}, {speedup:.3f}x)"  # 1.045x < 1.05
@@ -918,7 +989,12 @@ def run_model_bench(
     hardware = detect_hardware()
     source = model_source(spec, batch)
     notes: list[str] = []
-    variants = [v for p in policies for v in _source_variants(source, p, steps, hardware, notes)]
+    distinct = distinct_policies(policies, hardware)
+    variants = [
+        {**variant, "asked": asked}
+        for asked in distinct
+        for variant in _source_variants(source, asked[0], steps, hardware, notes)
+    ]
     with _user_code(spec, "training its model (on made-up data unless it returns (model, x, y))"):
         runs = _timed_runs(variants, repeats, progress or (lambda line: None), notes)
     return [_result(source.name, v, runs[i]) for i, v in enumerate(variants)]
