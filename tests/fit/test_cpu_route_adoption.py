@@ -17,7 +17,7 @@ import pytest
 
 import tfmixprec
 from tfmixprec._keras.fit import traced_train_functions
-from tfmixprec.precision import cpu_bfloat16
+from tfmixprec.precision import cpu_bfloat16, cpu_float16
 from tfmixprec.precision.cpu_route import route_of
 from tfmixprec.precision.hardware import HardwareInfo
 from tfmixprec.tools import zoo
@@ -134,3 +134,33 @@ def test_nothing_routed_or_traced_again_without_bfloat16_instructions(monkeypatc
     assert second is first and traces == 1
     assert cpu_bfloat16.bfloat16_route_layers(entry.model) == {}
     assert "routed" not in capsys.readouterr().out
+
+
+def _float16_net(name):
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden), name=name)
+
+
+def test_a_float16_model_takes_the_float16_routes_of_this_machine(capsys):
+    """Keras's own float16 model gets what `cpu_float16.fast_float16_layers` gives it on this
+    machine (its layers and the remapper switch are that module's): the same layers, said
+    once, where it routes any."""
+    tfmixprec.set_policy("mixed_float16")
+    with cpu_float16.process_state_kept():
+        twin = _float16_net("twin")
+        expected = cpu_float16.fast_float16_layers(twin)
+        model = _float16_net("net")
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+        y = np.zeros((16, 2), "float32")
+        functions = []
+        for _ in range(2):
+            model.fit(x, y, batch_size=8, verbose=0, callbacks=[tfmixprec.LossScaleMonitor()])
+            functions.append(model.train_function)
+        routed = [layer.name for layer in model.layers if route_of(layer) is not None]
+        assert routed == expected
+        said = [line for line in capsys.readouterr().out.splitlines() if " routed " in line]
+        assert len(said) == (1 if expected else 0)
+        assert functions[1] is functions[0]  # the second fit ran the same trace
+        assert len(traced_train_functions(model)) == 1

@@ -18,9 +18,10 @@ on an AMD EPYC with AVX512_BF16 and no AMX, TensorFlow 2.21, Keras 3.15, two rou
 Element-wise work stays as Keras computes it. PyTorch's CPU autocast split (the products in
 bfloat16; a `Dense` layer's bias and activation, `Dropout` and `Softmax` in float32, each
 output cast back; Keras's `LayerNormalization` computes in float32 already) is the route
-`ELEMENTWISE`, which no CPU takes by default. On the GPT-2 benchmark on the EPYC it added
-60-65 ms of casts a step and took 638-652 ms of op time against 522-554 with the routes
-above, and it was no faster in wall time, paired in one process (benchmarks/RESULTS.md, 17).
+`ELEMENTWISE`, which no CPU takes by default. On the GPT-2 benchmark on the EPYC, paired in
+one process, its step ran at 0.97-1.11x the speed of the step without it (medians of four
+runs), where the same step measured twice ran 0.96-1.12x apart: no gain past the noise
+(benchmarks/RESULTS.md, 17).
 It was not measured on AMX: `fast_bfloat16_layers(model, routes=(*routes_on(), ELEMENTWISE))`
 takes it there, to measure with `benchmarks/op_profile.py`.
 
@@ -144,9 +145,11 @@ def _elementwise(layer: Any) -> tuple[str, Any] | None:
 
 ELEMENTWISE = Route(
     "float32 element-wise",
-    "MEASUREMENT PENDING",
+    "PyTorch's CPU autocast split (bias, activation, dropout and softmax in float32 around "
+    "bfloat16 products) ran GPT-2 at 0.97-1.11x the speed of the other routes alone on "
+    "AVX512_BF16 without AMX, within the noise; unmeasured on AMX: taken on request only",
     _elementwise,
-    lambda hardware: False,
+    lambda hardware: False,  # on no CPU by default: `fast_bfloat16_layers(routes=...)` takes it
 )
 
 
