@@ -177,7 +177,7 @@ def test_op_profile_paired_smoke():
     assert f"| | {' | '.join(stacks)} |" in out
     head = "| stack | median ms/step | vs float32 | per round, vs float32 | per round, vs "
     assert f"{head}bf16 tfmixprec |" in out
-    ratio, span = r"\d+\.\d\dx", r"\d+\.\d\dx-\d+\.\d\dx"
+    ratio, span = r"\d+\.\d\dx", r"\d+\.\d\d-\d+\.\d\dx"
     for stack in stacks:
         assert re.search(rf"\| {stack} \| [\d.]+ \| {ratio} \| {span} \| {span} \|", out), out
 
