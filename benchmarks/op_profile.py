@@ -11,8 +11,19 @@ wall time on 2 cores, but they show which work a policy speeds up and which it d
     python benchmarks/op_profile.py --model mobilenet
     python benchmarks/op_profile.py --quick               # tiny model, for the tests
 
-Stacks: `float32`, `bf16 keras` (plain `mixed_bfloat16`), `bf16 tfmixprec` (the same with
-`tfmixprec.cpu_bfloat16`'s routes on this CPU).
+Stacks:
+
+- `float32`;
+- `bf16 keras`: plain `mixed_bfloat16`;
+- `bf16 tfmixprec`: the same with `tfmixprec.cpu_bfloat16`'s routes on this CPU;
+- `bf16 elementwise`: those routes and `cpu_bfloat16.ELEMENTWISE` too (PyTorch's CPU
+  autocast's split: the products in bfloat16; `Dense` bias and activation, `Dropout` and
+  `Softmax` in float32; Keras's `LayerNormalization` computes in float32 already);
+- `bf16 adopted`: compiled the ordinary way and given one tfmixprec callback
+  (`LossScaleMonitor`), which routes the model when `fit` sets it (`fit/adoption.py`).
+
+`--paired N` then times N rounds of `--steps`-step fits, the stacks alternating in this one
+process (their models kept), and prints each stack's median step and its ratio to float32.
 """
 
 from __future__ import annotations
@@ -22,12 +33,15 @@ import collections
 import glob
 import os
 import re
+import statistics
 import sys
 import tempfile
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-STACKS = ("float32", "bf16 keras", "bf16 tfmixprec")
+STACKS = ("float32", "bf16 keras", "bf16 tfmixprec", "bf16 elementwise", "bf16 adopted")
+DEFAULT_STACKS = STACKS[:3]
 # The parts of a step, matched in order on an op event's name ("scope/.../name:OpType").
 PARTS = (
     ("matmul", lambda path, op: "MatMul" in op or "Einsum" in op or "Conv" in op),
@@ -50,12 +64,16 @@ def _step_level(path: str) -> bool:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", default="gpt2")
-    parser.add_argument("--stacks", nargs="+", choices=STACKS, default=list(STACKS))
+    parser.add_argument("--stacks", nargs="+", choices=STACKS, default=list(DEFAULT_STACKS))
     parser.add_argument("--size", choices=("tiny", "bench"), default="bench")
     parser.add_argument("--steps", type=int, default=4, help="profiled steps")
     parser.add_argument("--top", type=int, default=12, help="op types listed")
+    parser.add_argument("--paired", type=int, default=0, help="alternating timed rounds")
+    parser.add_argument("--versus", choices=STACKS, help="a second reference for --paired")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps")
     args = parser.parse_args(argv)
+    if args.versus and args.versus not in args.stacks:
+        parser.error(f"--versus {args.versus!r} is not one of --stacks")
     if args.quick:
         args.size, args.steps = "tiny", 2
     return args
@@ -84,26 +102,68 @@ def op_times(trace_dir: str, steps: int) -> collections.Counter:
     return times
 
 
-def profile(args: argparse.Namespace, stack: str) -> tuple[float, collections.Counter]:
-    import tensorflow as tf
-
+def build(args: argparse.Namespace, stack: str) -> tuple[Any, Any, list]:
+    """The stack's compiled model, its data and the callbacks its `fit` gets."""
     import tfmixprec
-    from tfmixprec.tools import bench, zoo
+    from tfmixprec.tools import zoo
 
     policy = "float32" if stack == "float32" else "mixed_bfloat16"
     with tfmixprec.policy_scope(policy):
         entry = zoo.build(args.model, size=args.size)
         entry.model.compile(optimizer="adam", loss=entry.loss)
+    routes = tfmixprec.cpu_bfloat16.routes_on()
     if stack == "bf16 tfmixprec":
         tfmixprec.cpu_bfloat16.fast_bfloat16_layers(entry.model)
-    dataset = entry.dataset(2)
-    bench.time_fit(entry.model, dataset, 3)  # traced and warm
-    step = bench.time_fit(entry.model, dataset, args.steps + 1).per_step
+    elif stack == "bf16 elementwise":
+        routes = [*routes, tfmixprec.cpu_bfloat16.ELEMENTWISE]
+        tfmixprec.cpu_bfloat16.fast_bfloat16_layers(entry.model, routes=routes)
+    callbacks = [tfmixprec.LossScaleMonitor()] if stack == "bf16 adopted" else []
+    return entry.model, entry.dataset(2), callbacks
+
+
+def profile(args: argparse.Namespace, built: tuple) -> tuple[float, collections.Counter]:
+    import tensorflow as tf
+
+    from tfmixprec.tools import bench
+
+    model, dataset, callbacks = built
+    bench.time_fit(model, dataset, 3, callbacks)  # traced and warm
+    step = bench.time_fit(model, dataset, args.steps + 1, callbacks).per_step
     with tempfile.TemporaryDirectory(prefix="tfmixprec-profile-") as trace:
         tf.profiler.experimental.start(trace)
-        bench.time_fit(entry.model, dataset, args.steps)
+        bench.time_fit(model, dataset, args.steps, callbacks)
         tf.profiler.experimental.stop()
         return step, op_times(trace, args.steps)
+
+
+def paired(args: argparse.Namespace, built: dict) -> list[str]:
+    """`--paired` rounds of `--steps + 1`-step fits, the stacks alternating (the order
+    reversed every other round): each stack's median step, its ratio to the first stack's,
+    and the range of the per-round ratios to the first stack and to `--versus`."""
+    from tfmixprec.tools import bench
+
+    times: dict[str, list[float]] = {s: [] for s in args.stacks}
+    for index in range(args.paired):
+        order = args.stacks if index % 2 == 0 else list(reversed(args.stacks))
+        for s in order:
+            model, dataset, callbacks = built[s]
+            times[s].append(bench.time_fit(model, dataset, args.steps + 1, callbacks).per_step)
+    first, versus = args.stacks[0], args.versus or args.stacks[0]
+    lines = [
+        f"| stack | median ms/step | vs {first} | per round, vs {first} | per round, vs {versus} |",
+        "|---|---|---|---|---|",
+    ]
+    for s in args.stacks:
+        spans = []
+        for reference in (times[first], times[versus]):
+            ratios = [a / b for a, b in zip(reference, times[s])]
+            spans.append(f"{min(ratios):.2f}-{max(ratios):.2f}x")
+        lines.append(
+            f"| {s} | {1000 * statistics.median(times[s]):.1f} | "
+            f"{statistics.median(times[first]) / statistics.median(times[s]):.2f}x | "
+            f"{spans[0]} | {spans[1]} |"
+        )
+    return lines
 
 
 def table(args: argparse.Namespace, results: dict) -> list[str]:
@@ -138,8 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"{machine['tensorflow']}, Keras {machine['keras']}; {args.model} ({args.size}), "
         f"{args.steps} profiled steps"
     )
-    results = {stack: profile(args, stack) for stack in args.stacks}
-    print("\n".join(["", *table(args, results)]))
+    built = {stack: build(args, stack) for stack in args.stacks}
+    results = {stack: profile(args, built[stack]) for stack in args.stacks}
+    print("\n".join(["", *table(args, results)]), flush=True)
+    if args.paired:
+        print("\n".join(["", *paired(args, built)]))
     return results
 
 

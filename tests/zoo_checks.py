@@ -186,7 +186,9 @@ def _save_and_audit(model: Any, policy: str, folder: Path, batch: tuple) -> Save
         warnings.simplefilter("ignore")  # Keras's own, about a KerasHub task's custom compile
         loaded = keras.models.load_model(path)
         changes = tfmixprec.float32_outputs(loaded)  # as after training: warns again
-    tfmixprec.cpu_float16.fast_float16_layers(loaded)  # as after training
+    # As after training: the callbacks in `fit` routed the trained model (fit/adoption.py).
+    tfmixprec.cpu_float16.fast_float16_layers(loaded)
+    tfmixprec.cpu_bfloat16.fast_bfloat16_layers(loaded)
     same = all(
         np.array_equal(np.asarray(a), np.asarray(b))
         for a, b in zip(

@@ -65,7 +65,9 @@ def test_mixed_float16_adopts_keras_optimizer_and_its_step_uses_it(tmp_path, cap
     )
     assert type(model.optimizer) is LossScaleOptimizer
     assert model.optimizer.inner_optimizer is keras_lso.inner_optimizer
-    assert capsys.readouterr().out.splitlines() == [  # once, not once per callback
+    said = capsys.readouterr().out.splitlines()
+    # The CPU routes' line where this machine routes float16 layers (test_cpu_route_adoption).
+    assert [line for line in said if " routed " not in line] == [  # once, not per callback
         "tfmixprec: LossScaleMonitor replaced the keras.optimizers.LossScaleOptimizer of model "
         "'net' with a tfmixprec.LossScaleOptimizer (the same SGD, loss scale 32768, "
         "dynamic_growth_steps=2000) to read and guard the loss scale; a file this model "

@@ -153,7 +153,9 @@ def test_bad_data_is_named_not_repaired(capsys):
         "values: no float32 layer and no loss scale can fix this. Clean or filter the data "
         "(dataset.filter on tf.math.is_finite)."
     )
-    assert capsys.readouterr().out.splitlines() == [str(judgment)]
+    said = capsys.readouterr().out.splitlines()
+    # Where this machine routes float16 layers, the callbacks' route line comes first.
+    assert [line for line in said if " routed " not in line] == [str(judgment)]
     assert all(layer.compute_dtype != "float32" for layer in model.layers[1:-1])
 
 

@@ -319,3 +319,53 @@ def test_kerashub_gpt2_routed_trains_like_plain_bfloat16_under_two_replicas(two_
     plain = losses(tf.distribute.get_strategy(), routed=False)
     routed = losses(two_cpu_strategy, routed=True)
     assert abs(routed - plain) <= loss_tolerance("bfloat16", 3) * plain
+
+
+def _elementwise_model():
+    """A Dense block with GELU, dropout, a Dense without activation and a softmax."""
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, activation="gelu", name="hidden")(inputs)
+    x = keras.layers.Dropout(0.5, name="drop")(x)
+    x = keras.layers.Dense(8, name="out")(x)
+    return keras.Model(inputs, keras.layers.Softmax(name="probs")(x))
+
+
+@pytest.mark.parametrize("hardware", [AVX512_BF16, AMX, NO_BF16, WITH_GPU])
+def test_elementwise_route_is_taken_nowhere_by_default(hardware):
+    assert cpu_bfloat16.ELEMENTWISE not in cpu_bfloat16.routes_on(hardware)
+    with tfmixprec.policy_scope("mixed_bfloat16"):
+        model = _elementwise_model()
+    assert cpu_bfloat16.fast_bfloat16_layers(model, hardware) == []
+
+
+def test_elementwise_route_on_request_computes_element_wise_work_in_float32():
+    with tfmixprec.policy_scope("mixed_bfloat16"):
+        plain, routed = _elementwise_model(), _elementwise_model()
+    routed.set_weights(plain.get_weights())
+    config = routed.get_config()
+    routes = (cpu_bfloat16.ELEMENTWISE,)
+    assert cpu_bfloat16.fast_bfloat16_layers(routed, NO_BF16, routes) == []  # no bfloat16 CPU
+    taken = cpu_bfloat16.fast_bfloat16_layers(routed, AVX512_BF16, routes)
+    assert taken == ["hidden", "drop", "out", "probs"]
+    assert routed.get_config() == config
+    x = np.random.default_rng(0).normal(size=(4, 16)).astype("float32")
+    for name in ("hidden", "out", "probs"):  # each layer on the same bfloat16 inputs
+        inputs = keras.ops.cast(x if name == "hidden" else plain.get_layer("hidden")(x), "bfloat16")
+        if name == "probs":
+            inputs = plain.get_layer("out")(inputs)
+        expected = np.asarray(plain.get_layer(name)(inputs), "float32")
+        got_tensor = routed.get_layer(name)(inputs)
+        assert got_tensor.dtype == "bfloat16"  # the output dtype is Keras's
+        got = np.asarray(keras.ops.cast(got_tensor, "float32"))
+        # In bfloat16 the bias add and each operation of the activation round (GELU: 4 of
+        # them) or the softmax's own; in float32 inside, only the output rounds: a few
+        # roundoffs of the largest value.
+        assert np.max(np.abs(got - expected)) <= 8 * BF16_EPS * np.max(np.abs(expected)), name
+    drop = routed.get_layer("drop")
+    hidden = plain.get_layer("hidden")(x)
+    np.testing.assert_array_equal(drop(hidden, training=False), hidden)  # inference: identity
+    dropped = np.asarray(keras.ops.cast(drop(hidden, training=True), "float32"))
+    kept = dropped != 0
+    np.testing.assert_array_equal(
+        dropped[kept], np.asarray(keras.ops.cast(hidden * 2, "float32"))[kept]
+    )

@@ -167,6 +167,21 @@ def test_op_profile_smoke():
     assert re.search(r"\| MatMul \(matmul\) \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", out), out
 
 
+def test_op_profile_paired_smoke():
+    """The element-wise route and the callbacks' adoption as stacks, timed in alternation."""
+    pytest.importorskip("keras_hub")
+    stacks = ["float32", "bf16 tfmixprec", "bf16 elementwise", "bf16 adopted"]
+    out = _run(
+        "op_profile.py", "--quick", "--stacks", *stacks, "--paired", "2", "--versus", stacks[1]
+    )
+    assert f"| | {' | '.join(stacks)} |" in out
+    head = "| stack | median ms/step | vs float32 | per round, vs float32 | per round, vs "
+    assert f"{head}bf16 tfmixprec |" in out
+    ratio, span = r"\d+\.\d\dx", r"\d+\.\d\d-\d+\.\d\dx"
+    for stack in stacks:
+        assert re.search(rf"\| {stack} \| [\d.]+ \| {ratio} \| {span} \| {span} \|", out), out
+
+
 def test_step_losses_needs_one_call_per_step():
     """tfmixprec.bench.StepLosses: each step's loss from Keras's running mean, exact for equal
     batches; with several steps per execution it cannot be, and says so."""

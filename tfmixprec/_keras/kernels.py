@@ -162,3 +162,30 @@ def float32_attention(
         **kwargs,
     )
     return tf.cast(output, layer.compute_dtype), scores
+
+
+# Why: `tfmixprec.cpu_bfloat16`'s float32 element-wise route (autocast-style, after PyTorch's
+# CPU autocast: products in bfloat16, element-wise work in float32). Keras's `Dense` and
+# `EinsumDense` have no hook for the dtype of their bias and activation, so this
+# re-implements their `call` (Keras 3.12 to 3.15) with the product in the compute dtype, as
+# Keras computes it, and the bias and activation in float32; the output is cast back to the
+# compute dtype, so the layer's output dtype is Keras's.
+def float32_epilogue_call(layer: Any, inputs: Any, training: Any = None) -> Any:
+    """`Dense.call` / `EinsumDense.call` with the bias and activation in float32."""
+    if isinstance(layer, keras.layers.EinsumDense):
+        x = keras.ops.einsum(layer.equation, inputs, layer.kernel)
+    else:
+        x = keras.ops.matmul(inputs, layer.kernel)
+    x = tf.cast(x, tf.float32)
+    if layer.bias is not None:  # read in the compute dtype, as Keras adds it
+        x = keras.ops.add(x, tf.cast(layer.bias, tf.float32))
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return tf.cast(x, layer.compute_dtype)
+
+
+def float32_inside_call(layer: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+    """A layer's own `call` (Keras's `Dropout`, `Softmax`) on its inputs cast to float32, the
+    output cast back to the compute dtype."""
+    outputs = type(layer).call(layer, tf.cast(inputs, tf.float32), *args, **kwargs)
+    return tf.cast(outputs, layer.compute_dtype)

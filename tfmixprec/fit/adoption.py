@@ -1,10 +1,13 @@
-"""Adoption: what loss scaling the tfmixprec callbacks find on a model in `fit`.
+"""Adoption: what loss scaling and CPU routes the tfmixprec callbacks find on a model in `fit`.
 
 A plain `keras.Model` compiled under `mixed_float16` holds Keras's own
 `keras.optimizers.LossScaleOptimizer`. When `fit` sets a tfmixprec callback's model, it is
 replaced by a `tfmixprec.LossScaleOptimizer` with the same inner optimizer and settings (a
 used one's state carried over), and the model's `train_step` is wrapped in `guard_state` (a
-skipped step changes no variable). Each is said once per model.
+skipped step changes no variable). A model compiled the ordinary way, without
+`MixedPrecisionModel`, also gets the CPU routes `MixedPrecisionModel.compile` would give it
+(`cpu_bfloat16.fast_bfloat16_layers`, `cpu_float16.fast_float16_layers`); `fit` traces its
+train step again only where a layer was routed. Each is said once per model.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec._common.layers import iter_layers
+from tfmixprec._common.layers import all_layers, iter_layers
 from tfmixprec._common.text import docs_page
 from tfmixprec._keras.fit import make_train_function
 from tfmixprec._keras.optimizer_hooks import set_compiled_optimizer
 from tfmixprec._keras.patches import patch
+from tfmixprec.precision import cpu_bfloat16, cpu_float16
+from tfmixprec.precision.cpu_route import route_of
 from tfmixprec.scaling.loss_scale import format_scale
 from tfmixprec.scaling.optimizer import LossScaleOptimizer
 from tfmixprec.scaling.state_guard import guarded_step
@@ -95,11 +100,48 @@ def adopt_when_set(model: Any, who: str) -> None:
     `BackupAndRestore` listed before a tfmixprec callback restores into tfmixprec's optimizer.
     A model compiled with tfmixprec's own has Keras's `train_step` guarded (its skipped steps
     put back the state the forward pass wrote); any other is left to `on_train_begin`."""
+    route_when_set(model, who)
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, LossScaleOptimizer):
         _guard_train_step(model)
     elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         _adopt(model, optimizer, who)
+
+
+def route_when_set(model: Any, who: str) -> list[str]:
+    """Routes the model's layers that run slow CPU kernels, as `MixedPrecisionModel.compile`
+    does (a float16 model: `cpu_float16.fast_float16_layers` with the remapper off; bfloat16
+    layers: `cpu_bfloat16.fast_bfloat16_layers`; nothing on a GPU or TPU, or where the
+    routes are disabled). Where a layer was routed now, `fit` traces the train step again
+    (once) and that is said once per model. Returns the names of the layers routed now."""
+    dtype = _compute_dtype(model)
+    if dtype == "float32":
+        return []
+    before = {id(layer) for layer in all_layers(model) if route_of(layer) is not None}
+    if dtype == "float16":
+        cpu_float16.route_around_fused_matmul("mixed_float16")
+        cpu_float16.fast_float16_layers(model)
+    cpu_bfloat16.fast_bfloat16_layers(model)
+    routed = [
+        layer
+        for layer in all_layers(model)
+        if id(layer) not in before and route_of(layer) is not None
+    ]
+    if not routed:
+        return []
+    if getattr(model, "train_function", None) is not None:
+        make_train_function(model)  # traced before: trace it again with the routes
+    names = ", ".join(f"{layer.name} ({route_of(layer)})" for layer in routed[:3])
+    more = f" and {len(routed) - 3} more" if len(routed) > 3 else ""
+    line = (
+        f"tfmixprec: {who} routed {len(routed)} layer(s) of model {model.name!r} around slow "
+        f"{dtype} CPU kernels: {names}{more}. Their outputs, variables and saved file are "
+        "unchanged; the values agree within "
+        f"{dtype} rounding. tfmixprec.{'cpu_float16' if dtype == 'float16' else 'cpu_bfloat16'}"
+        ".disable() before fit leaves a model unrouted."
+    )
+    _say_once(model, "routed", line)
+    return [layer.name for layer in routed]
 
 
 def _guard_train_step(model: Any) -> None:

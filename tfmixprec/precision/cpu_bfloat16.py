@@ -15,31 +15,42 @@ on an AMD EPYC with AVX512_BF16 and no AMX, TensorFlow 2.21, Keras 3.15, two rou
   MobileNetV3Small). The route computes them in float32 (the kernel read in bfloat16 first),
   on CPUs with AVX512_BF16 and no AMX, the only ones measured.
 
-Element-wise work is not routed. GELU, LayerNormalization and dropout are each slower in
-bfloat16 on their own, but in the GPT-2 step together they took 91 ms of op time in bfloat16
-against 78 in float32. Computing the bias and GELU in float32 around the bfloat16 product
-measured 308 against 310 ms a step: within the noise, so not done.
+Element-wise work stays as Keras computes it. PyTorch's CPU autocast split (the products in
+bfloat16; a `Dense` layer's bias and activation, `Dropout` and `Softmax` in float32, each
+output cast back; Keras's `LayerNormalization` computes in float32 already) is the route
+`ELEMENTWISE`, which no CPU takes by default. On the GPT-2 benchmark on the EPYC, paired in
+one process, its step ran at 0.97-1.11x the speed of the step without it (medians of four
+runs), where the same step measured twice ran 0.96-1.12x apart: no gain past the noise
+(benchmarks/RESULTS.md, 17).
+It was not measured on AMX: `fast_bfloat16_layers(model, routes=(*routes_on(), ELEMENTWISE))`
+takes it there, to measure with `benchmarks/op_profile.py`.
 
 A route replaces the layer's `call` on that instance only: its output dtype, variables and
 saved file are unchanged, and its values agree with plain `mixed_bfloat16` within bfloat16
 rounding. Routes are on by default where `applies()`: a bfloat16 policy, no GPU or TPU, a CPU
-with bfloat16 instructions. `MixedPrecisionModel.compile` routes its model;
-`fast_bfloat16_layers(model)` routes any model; `enable` / `disable` switch them.
+with bfloat16 instructions. `MixedPrecisionModel.compile` routes its model, and so does a
+tfmixprec callback in `fit` for a model compiled the ordinary way (`fit/adoption.py`: the
+train function traced again, once, where a layer was routed; GPT-2 then runs the routed step).
+`fast_bfloat16_layers(model)` routes any model in one call (a model that already ran `fit`
+has its traced functions traced again); `enable` / `disable` switch them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 
 from tfmixprec._common.layers import all_layers
+from tfmixprec._keras.fit import make_train_function
 from tfmixprec._keras.kernels import (
     REVERSIBLE_EMBEDDING,
     compute_dtype_reverse_call,
     float32_convolution_call,
+    float32_epilogue_call,
+    float32_inside_call,
     reverse_called,
 )
 from tfmixprec.precision.cpu_route import cpu_only, route, route_of
@@ -47,6 +58,7 @@ from tfmixprec.precision.hardware import HardwareInfo, detect_hardware
 
 __all__ = [
     "DEPTHWISE",
+    "ELEMENTWISE",
     "LOGITS",
     "ROUTES",
     "Route",
@@ -116,6 +128,30 @@ DEPTHWISE = Route(
 )
 ROUTES: tuple[Route, ...] = (LOGITS, DEPTHWISE)
 
+_EPILOGUE_CALLS = (keras.layers.Dense.call, keras.layers.EinsumDense.call)
+_INSIDE_CALLS = (keras.layers.Dropout.call, keras.layers.Softmax.call)
+
+
+def _elementwise(layer: Any) -> tuple[str, Any] | None:
+    if getattr(layer, "quantization_mode", None) or getattr(layer, "lora_enabled", False):
+        return None
+    call = type(layer).call
+    if call in _EPILOGUE_CALLS and (layer.bias is not None or layer.activation is not None):
+        return "call", float32_epilogue_call
+    if call in _INSIDE_CALLS:
+        return "call", float32_inside_call
+    return None
+
+
+ELEMENTWISE = Route(
+    "float32 element-wise",
+    "PyTorch's CPU autocast split (bias, activation, dropout and softmax in float32 around "
+    "bfloat16 products) ran GPT-2 at 0.97-1.11x the speed of the other routes alone on "
+    "AVX512_BF16 without AMX, within the noise; unmeasured on AMX: taken on request only",
+    _elementwise,
+    lambda hardware: False,  # on no CPU by default: `fast_bfloat16_layers(routes=...)` takes it
+)
+
 
 def _hardware(hardware: HardwareInfo | None) -> HardwareInfo:
     return detect_hardware() if hardware is None else hardware
@@ -148,11 +184,16 @@ def routes_on(hardware: HardwareInfo | None = None) -> list[Route]:
 
 
 def served_layers(
-    model: keras.Model, hardware: HardwareInfo | None = None
+    model: keras.Model,
+    hardware: HardwareInfo | None = None,
+    routes: Sequence[Route] | None = None,
 ) -> list[tuple[Any, Route]]:
-    """The bfloat16 layers of `model` a route on this machine serves, with that route (none
-    while the routes are disabled)."""
-    routes = routes_on(hardware) if _STATE["enabled"] else []
+    """The bfloat16 layers of `model` a route serves, with that route (none while the routes
+    are disabled): of `routes`, or where `None` of the routes on this machine (`routes_on`)."""
+    if not _STATE["enabled"]:
+        routes = []
+    elif routes is None:
+        routes = routes_on(hardware)
     found = []
     for layer in all_layers(model):  # a single layer works too
         if layer.compute_dtype != "bfloat16":
@@ -175,7 +216,11 @@ def bfloat16_route_layers(
     }
 
 
-def fast_bfloat16_layers(model: keras.Model, hardware: HardwareInfo | None = None) -> list[str]:
+def fast_bfloat16_layers(
+    model: keras.Model,
+    hardware: HardwareInfo | None = None,
+    routes: Sequence[Route] | None = None,
+) -> list[str]:
     """Routes the bfloat16 layers of `model` that run slow kernels on this CPU (`ROUTES`).
 
     A language model's reverse projection computes in bfloat16 instead of float32; on CPUs
@@ -188,6 +233,12 @@ def fast_bfloat16_layers(model: keras.Model, hardware: HardwareInfo | None = Non
     Args:
         model: `keras.Model` or `keras.Layer`. The model (its nested layers included).
         hardware: `HardwareInfo`; detected when `None`.
+        routes: The `Route`s to take, for example `(ELEMENTWISE,)`, which no CPU takes by
+            default; `None` (the default): those measured to help on this CPU, `routes_on()`.
+
+    A compiled model that has already run `fit`, `evaluate` or `predict` has those traced
+    again at their next call, where a layer was routed now (so call it once, before `fit`,
+    on a model compiled the ordinary way; a tfmixprec callback in `fit` calls it too).
 
     Returns:
         The names of the layers that now take a route.
@@ -200,10 +251,24 @@ def fast_bfloat16_layers(model: keras.Model, hardware: HardwareInfo | None = Non
     hardware = _hardware(hardware)
     if not applies("mixed_bfloat16", hardware):
         return []
-    served = served_layers(model, hardware)
+    served = served_layers(model, hardware, routes)
+    new = [layer for layer, _ in served if route_of(layer) is None]
     for layer, r in served:
         route(layer, r.name, *r.method(layer))
+    if new:
+        _trace_again(model)
     return [layer.name for layer, _ in served]
+
+
+def _trace_again(model: Any) -> None:
+    """Has Keras trace again, at their next call, the train, test and predict functions a
+    compiled model has already traced (a route changes what the model computes, and a
+    traced function keeps running the layers' calls as they were)."""
+    if getattr(model, "train_function", None) is not None:
+        make_train_function(model)
+    for kind in ("test", "predict"):
+        if getattr(model, f"{kind}_function", None) is not None:
+            getattr(model, f"make_{kind}_function")(force=True)
 
 
 def enable() -> None:
