@@ -59,7 +59,7 @@ _TIMING = re.compile(r"\d+s - \d+(?:ms|us|s)/step")
 # versions); its other lines (the title, the current policy, the warnings) are compared.
 _MACHINE_LINE = re.compile(
     r"^(  (?:TensorFlow|Keras|CPU|CPU bfloat16|CPU float16|GPUs|GPU \d+|TPUs|float16 routes"
-    r"|bfloat16 routes|recommended)) +\S.*$",
+    r"|bfloat16 routes|recommended)) {2,}\S.*$",
     re.M,
 )
 _FRACTION = re.compile(r"-?\d+\.\d+(?:e[+-]\d+)?|-?\d+e[+-]\d+")
