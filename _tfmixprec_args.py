@@ -133,8 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    doctor = sub.add_parser("doctor", help="hardware report and the recommended policy")
-    doctor.add_argument("--json", action="store_true", help="print JSON")
+    doctor = sub.add_parser(
+        "doctor",
+        help="hardware report and the recommended policy",
+        description="Reports the TensorFlow and Keras versions, the CPU's float16 and bfloat16 "
+        "instructions (AVX512_FP16, AVX512_BF16, AMX), the GPUs and TPUs, the routes tfmixprec "
+        "takes around slow float16 and bfloat16 CPU kernels on this machine, the current "
+        "policy, and the policy to use here with the reason.",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
 
     audit = sub.add_parser("audit", help="audit a saved .keras model for mixed precision")
     audit.add_argument("model", help="path to a .keras file")

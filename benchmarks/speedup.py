@@ -5,13 +5,15 @@ each policy is timed with plain Keras (`keras.Model` + `compile` + `fit`) and wi
 tfmixprec stack (`MixedPrecisionModel`, tfmixprec's optimizer), in one process, alternating
 runs; the ratio is to float32 of the same stack. On a GPU the script runs unchanged.
 
-On a machine without a GPU, some of TensorFlow's float16 CPU kernels are slow (the convolution
-filter gradient up to ~600x float32, the fused MatMul up to ~200x on some CPUs, matmuls
-without AVX512_FP16 1.1-3x); the tfmixprec stack routes around them (`tfmixprec.cpu_float16`) and
-runs float16 at full size. Plain Keras's float16 runs keep
-the convolution kernel (the remapper is process-wide, so once tfmixprec has turned it off for
-float16 it is off for them too) and use fewer steps and a smaller batch (`--float16-steps`,
-`--float16-batch`); their samples/s is still per sample.
+On a machine without a GPU, some of TensorFlow's float16 CPU kernels are slow, which ones by
+CPU (the convolution filter gradient up to ~600x float32, the fused MatMul up to ~1000x on a
+Sapphire Rapids Xeon, matmuls and attention's einsum without AVX512_FP16 1.1-10x); the
+tfmixprec stack takes this CPU's routes around them (`tfmixprec.cpu_float16.routes_on()`) and
+runs float16 at full size. Plain Keras's float16 runs keep the slow kernels (the remapper is
+process-wide, so once tfmixprec has turned it off for float16 it is off for them too) and use
+fewer steps and a smaller batch (`--float16-steps`, `--float16-batch`); their samples/s is
+still per sample. With `--float16-batch` and `--float16-steps` equal to the float32 ones, the
+two stacks' float16 rows compare native float16 with the routes (benchmarks/RESULTS.md, 16).
 
     python benchmarks/speedup.py                  # all three models
     python benchmarks/speedup.py --models mlp --steps 10

@@ -7,8 +7,8 @@ root. What is saved is what a reader should see: the printed output, the figures
 returned values; TensorFlow's start-up lines and warnings (stderr) and the execution
 timestamps are left out, so a saved notebook does not depend on the machine's log lines.
 `tests/test_notebooks.py` executes them again and compares each cell's printed output with
-the saved one (`normalized`: numbers with a fraction, timings and the cells tagged `machine`
-vary by CPU).
+the saved one (`normalized`: numbers with a fraction, timings, the lines of `doctor`'s report
+that describe the machine, and the cells tagged `machine` vary by CPU).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ("01_quickstart.ipynb", "02_why_loss_scaling.ipynb")
-MACHINE_TAG = "machine"  # a cell whose output describes this machine (doctor, the policy)
+MACHINE_TAG = "machine"  # a cell whose whole output follows from the policy picked here
 
 
 def execute(name: str) -> nbformat.NotebookNode:
@@ -54,18 +54,27 @@ def printed(cell: nbformat.NotebookNode) -> str:
 
 
 _TIMING = re.compile(r"\d+s - \d+(?:ms|us|s)/step")
+# The lines of `tfmixprec doctor`'s report whose text is this machine's (its devices, their
+# instructions, the routes they get, the policy picked for them) or this installation's (the
+# versions); its other lines (the title, the current policy, the warnings) are compared.
+_MACHINE_LINE = re.compile(
+    r"^(  (?:TensorFlow|Keras|CPU|CPU bfloat16|CPU float16|GPUs|GPU \d+|TPUs|float16 routes"
+    r"|bfloat16 routes|recommended)) {2,}\S.*$",
+    re.M,
+)
 _FRACTION = re.compile(r"-?\d+\.\d+(?:e[+-]\d+)?|-?\d+e[+-]\d+")
 
 
 def normalized(cell: nbformat.NotebookNode) -> str:
-    """A cell's printed output with what varies by CPU masked: timings and numbers with a
-    fraction (losses, accuracies: `#`); whole numbers, however printed (`1.0000`,
-    `0.0000e+00`, step and overflow counts, loss scales), are kept as integers. A cell
-    tagged `machine` (its output describes the hardware and the policy picked for it) gives
-    "": what it prints is this machine's."""
+    """A cell's printed output with what varies by CPU masked: timings, numbers with a
+    fraction (losses, accuracies: `#`), and the text of `doctor`'s lines that describe the
+    machine (`  CPU float16       M`: the label is kept); whole numbers, however printed
+    (`1.0000`, `0.0000e+00`, step and overflow counts, loss scales), are kept as integers. A
+    cell tagged `machine` (all it prints follows from the policy picked for this hardware)
+    gives "": what it prints is this machine's."""
     if MACHINE_TAG in cell.metadata.get("tags", []):
         return ""
-    text = printed(cell)
+    text = _MACHINE_LINE.sub(lambda m: f"{m.group(1):<20}M", printed(cell))
     return _FRACTION.sub(_whole_or_masked, _TIMING.sub("T", text))
 
 

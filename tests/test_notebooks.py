@@ -4,8 +4,12 @@ prints now is what the saved notebook shows (`notebooks/refresh.py` saves them).
 import importlib.util
 from pathlib import Path
 
+import keras
 import nbformat
 import pytest
+
+import tfmixprec
+from tfmixprec import HardwareInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("refresh", ROOT / "notebooks" / "refresh.py")
@@ -69,4 +73,34 @@ def test_normalized_masks_what_varies_by_cpu_and_keeps_counts():
         "23/23 - T - loss: # - overflow: 1 - scale: 0\n{'good_steps': 21}"
     )
     cell.metadata["tags"] = [refresh.MACHINE_TAG]
-    assert refresh.normalized(cell) == ""  # a machine's description: compared as printed
+    assert refresh.normalized(cell) == ""  # all it prints follows from this machine's policy
+
+
+def test_normalized_masks_only_the_doctor_lines_that_describe_the_machine():
+    """The quickstart's doctor cell is compared: its title, its labels in their order and
+    the current policy; the devices, their instructions and routes, the versions and the
+    policy recommended for them are this machine's."""
+    report = tfmixprec.doctor(
+        HardwareInfo(cpu_name="Xeon", cpu_flags=frozenset({"avx512_fp16", "amx_bf16"})),
+        print_report=False,
+    )
+    cell = nbformat.v4.new_code_cell("report = tfmixprec.doctor()")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"{report}\n")]
+    assert refresh.normalized(cell).splitlines() == [
+        "tfmixprec doctor",
+        "  TensorFlow        M",
+        "  Keras             M",
+        "  CPU               M",
+        "  CPU bfloat16      M",
+        "  CPU float16       M",
+        "  GPUs              M",
+        "  TPUs              M",
+        "  float16 routes    M",
+        "  bfloat16 routes   M",
+        f"  current policy    {keras.config.dtype_policy().name}",
+        "  recommended       M",
+    ]
+    saved = nbformat.read(ROOT / "notebooks" / "01_quickstart.ipynb", as_version=4)
+    doctor_cell = next(c for c in saved.cells if "tfmixprec.doctor()" in c.source)
+    assert refresh.MACHINE_TAG not in doctor_cell.metadata.get("tags", [])  # compared
+    assert "  CPU float16       M" in refresh.normalized(doctor_cell)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import zoo_checks
 
+from tfmixprec.precision.hardware import detect_hardware
 from tfmixprec.scaling.attribution import OverflowReport
 
 POLICIES = ("mixed_float16", "mixed_bfloat16")
@@ -90,7 +91,9 @@ def test_overflow_report_and_explain_overflow(zoo_run):
 def test_cpu_float16_route(zoo_run):
     route = zoo_run.cpu_route
     if zoo_run.dtype == "float16":
-        assert route["layers"]  # its Dense, EinsumDense and convolution layers
+        # Its convolutions and attention with dropout; its Dense and EinsumDense only on a CPU
+        # without AVX512_FP16 (with it, a decoder without dropout may have none to route).
+        assert route["layers"] or detect_hardware().cpu_float16
         # float32 products rounded to float16: a few float16 roundings apart.
         assert route["distance"] <= 8 * zoo_checks.EPSILON["float16"]
     else:

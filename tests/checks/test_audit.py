@@ -27,6 +27,9 @@ from tfmixprec.tools import cli
 # The model's own findings, the same on any machine; the machine's are tested on their own.
 A100 = HardwareInfo(gpus=(GPUInfo("NVIDIA A100", (8, 0)),))
 CPU_ONLY = HardwareInfo(cpu_name="Test CPU")
+SAPPHIRE_RAPIDS = HardwareInfo(
+    cpu_name="Xeon", cpu_flags=frozenset({"avx512_bf16", "avx512_fp16", "amx_bf16"})
+)
 
 
 def _python(args, cwd=None, timeout=300):
@@ -375,11 +378,42 @@ def test_on_a_cpu_says_which_float16_layers_run_slow_kernels_until_routed():
     model = _clean_model()
     (finding,) = tfmixprec.audit(model, hardware=CPU_ONLY).findings
     assert (finding.severity, finding.code) == ("info", "cpu-float16-kernels")
-    assert "2 float16 layer(s) ('hidden', 'logits') run TensorFlow's slow" in finding.message
+    assert finding.message == (
+        "on this machine (no GPU), 2 float16 layer(s) ('hidden', 'logits') run TensorFlow "
+        "float16 CPU kernels that are slow on this CPU: "
+        f"{tfmixprec.cpu_float16.PRODUCTS.why} (benchmarks/RESULTS.md, 16)."
+    )
     assert "tfmixprec.cpu_float16.fast_float16_layers(model)" in finding.fix
     assert tfmixprec.audit(model, hardware=A100).findings == []  # a GPU has no such kernels
+    # With AVX512_FP16 a float16 Dense runs at float32's speed: nothing to route.
+    assert tfmixprec.audit(model, hardware=SAPPHIRE_RAPIDS).findings == []
     tfmixprec.cpu_float16.fast_float16_layers(model, CPU_ONLY)
     assert tfmixprec.audit(model, hardware=CPU_ONLY).findings == []
+
+
+def test_on_a_cpu_with_avx512_fp16_gives_the_reason_true_there():
+    tfmixprec.set_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            keras.layers.Conv2D(4, 3, name="conv"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(8, name="hidden"),
+            keras.layers.Dense(2, dtype="float32", name="out"),
+        ]
+    )
+    model.compile(optimizer=tfmixprec.LossScaleOptimizer(keras.optimizers.Adam()), loss="mse")
+    kernels = "cpu-float16-kernels"
+    findings = tfmixprec.audit(model, hardware=SAPPHIRE_RAPIDS).findings
+    (finding,) = [f for f in findings if f.code == kernels]
+    assert "1 float16 layer(s) ('conv') run" in finding.message
+    assert tfmixprec.cpu_float16.CONVOLUTIONS.why in finding.message
+    assert "without AVX512_FP16" not in finding.message  # not this CPU's reason
+    (finding,) = [
+        f for f in tfmixprec.audit(model, hardware=CPU_ONLY).findings if f.code == kernels
+    ]
+    assert "2 float16 layer(s) ('conv', 'hidden') run" in finding.message
+    assert tfmixprec.cpu_float16.PRODUCTS.why in finding.message
 
 
 def test_warns_of_xla_with_bfloat16_on_a_cpu():

@@ -1,5 +1,7 @@
 """Tests of the doctor report (on described hardware, so the same on any machine)."""
 
+from pathlib import Path
+
 import keras
 import tensorflow as tf
 
@@ -15,11 +17,16 @@ def test_doctor_report_prints_and_warns(capsys):
     assert report.recommended_policy == "mixed_bfloat16"
     assert report.current_policy == "mixed_float16"
     assert len(report.warnings) == 1
-    assert "routes around TensorFlow's slow float16 CPU kernels" in report.warnings[0]
+    assert "routes around the float16 kernels slow on this CPU" in report.warnings[0]
     assert "for speed on this machine use 'mixed_bfloat16'" in report.warnings[0].lower()
     assert f"TensorFlow        {tf.__version__}" in out
     assert "CPU bfloat16      yes (AVX512_BF16: no, AMX_BF16: yes)" in out
+    assert "CPU float16       no (AVX512_FP16: no, AMX_FP16: no)" in out
     assert "GPUs              none" in out
+    assert (
+        "float16 routes    the fused MatMul off, float32 convolution, float32 product, "
+        "float32 attention (tfmixprec.cpu_float16)"
+    ) in out
     assert "recommended       mixed_bfloat16: no GPU" in out
     assert "WARNING: mixed_float16 without a GPU is at best about as fast as float32" in out
     assert '"float16 on CPUs" (docs/guides/float16-on-cpus.md in the tfmixprec repository).' in out
@@ -66,3 +73,38 @@ def test_doctor_warns_xla_with_bfloat16_on_amx():
         "backend does not use AMX/AVX512_BF16 (on a Sapphire Rapids Xeon a 4x2048 MLP measured "
         "437 ms/step with jit_compile=True against 169 ms without)."
     ]
+
+
+def test_doctor_says_which_float16_routes_a_cpu_with_avx512_fp16_gets():
+    keras.config.set_dtype_policy("float32")
+    flags = frozenset({"avx512_bf16", "avx512_fp16", "amx_bf16"})
+    report = tfmixprec.doctor(HardwareInfo(cpu_name="Xeon", cpu_flags=flags), print_report=False)
+    lines = str(report).splitlines()
+    assert "  CPU float16       yes (AVX512_FP16: yes, AMX_FP16: no)" in lines
+    assert (
+        "  float16 routes    the fused MatMul off, float32 convolution, float32 attention, "
+        "float16 matmuls native (AVX512_FP16) (tfmixprec.cpu_float16)"
+    ) in lines
+    assert report.float16_routes == ["float32 convolution", "float32 attention"]
+    assert report.to_dict()["hardware"]["cpu_flags"] == ["amx_bf16", "avx512_bf16", "avx512_fp16"]
+
+
+def test_doctor_float16_routes_off_and_on_a_gpu():
+    keras.config.set_dtype_policy("float32")
+    tfmixprec.cpu_float16.disable()
+    try:
+        report = tfmixprec.doctor(HardwareInfo(), print_report=False)
+    finally:
+        tfmixprec.cpu_float16.enable()
+    assert "float16 routes    off (tfmixprec.cpu_float16.enable() turns them on)" in str(report)
+    report = tfmixprec.doctor(HardwareInfo(gpus=(GPUInfo("A100", (8, 0)),)), print_report=False)
+    assert "float16 routes    none on this machine" in str(report)
+
+
+def test_doctor_agrees_with_the_readme_on_mobilenet():
+    report = tfmixprec.doctor(
+        HardwareInfo(cpu_flags=frozenset({"avx512_bf16"})), print_report=False
+    )
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "MobileNetV3 measured 0.68-1.10x float32" in report.reason
+    assert "to 0.68-1.10x" in " ".join(readme.split())

@@ -12,10 +12,20 @@ import tensorflow as tf
 import tfmixprec
 from tfmixprec._common.observe import observe
 from tfmixprec._keras.kernels import float32_product_call
+from tfmixprec._keras.settings import (
+    global_policy,
+    optimizer_options,
+    restore_global_policy,
+    restore_optimizer_options,
+)
 from tfmixprec.precision import cpu_float16
-from tfmixprec.precision.hardware import GPUInfo, HardwareInfo
+from tfmixprec.precision.hardware import GPUInfo, HardwareInfo, detect_hardware
 
-CPU_ONLY = HardwareInfo(cpu_name="Test CPU")
+CPU_ONLY = HardwareInfo(cpu_name="Test CPU")  # no AVX-512 flags: every route
+EPYC = HardwareInfo(cpu_name="AMD EPYC", cpu_flags=frozenset({"avx512f", "avx512_bf16"}))
+SAPPHIRE_RAPIDS = HardwareInfo(
+    cpu_name="Xeon", cpu_flags=frozenset({"avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16"})
+)
 WITH_GPU = HardwareInfo(gpus=(GPUInfo("NVIDIA A100", (8, 0)),))
 
 
@@ -51,16 +61,90 @@ def test_applies_follows_the_switch(remapper_restored):
     assert cpu_float16.applies("mixed_float16", CPU_ONLY) is True
 
 
-def test_remapper_turned_off_once_and_restored_by_disable(remapper_restored):
-    cpu_float16.disable()  # a known start: remapper as configured, nothing remembered
+def test_remapper_turned_off_once_and_kept_off_by_disable(remapper_restored):
+    """`disable()` leaves the remapper off: TensorFlow reads the option on every call, so
+    turning it on would send the float16 models routed here to the fused float16 kernel."""
+    cpu_float16._STATE.update(enabled=True, remapper_was=None)  # a known start
     tf.config.optimizer.set_experimental_options({"remapping": True})
-    cpu_float16.enable()
     assert cpu_float16.route_around_fused_matmul("mixed_float16", WITH_GPU) is False
     assert tf.config.optimizer.get_experimental_options()["remapping"] is True
-    assert cpu_float16.route_around_fused_matmul("mixed_float16", CPU_ONLY) is True
-    assert tf.config.optimizer.get_experimental_options()["remapping"] is False
+    for hardware in (CPU_ONLY, SAPPHIRE_RAPIDS):  # every CPU: the fused kernel is slow on one
+        assert cpu_float16.route_around_fused_matmul("mixed_float16", hardware) is True
+        assert tf.config.optimizer.get_experimental_options()["remapping"] is False
+    model = _mlp()
+    assert cpu_float16.fast_float16_layers(model, CPU_ONLY) == [model.layers[1].name]
     cpu_float16.disable()
-    assert tf.config.optimizer.get_experimental_options()["remapping"] is True
+    assert tf.config.optimizer.get_experimental_options()["remapping"] is False
+    assert cpu_float16.status(hardware=CPU_ONLY)["remapper_off"] is True
+    assert "call" in vars(model.layers[1])  # the routed layer keeps its route
+    assert cpu_float16.fast_float16_layers(_mlp(), CPU_ONLY) == []  # no new routes
+    cpu_float16.enable()
+    assert tf.config.optimizer.get_experimental_options()["remapping"] is False
+
+
+@pytest.fixture
+def settings_unset():
+    """Grappler's options and Keras's global policy unset, as in a fresh process; after the
+    test, as they were."""
+    options, policy, state = optimizer_options(), global_policy(), dict(cpu_float16._STATE)
+    restore_optimizer_options({})
+    restore_global_policy(None)
+    cpu_float16._STATE.update(enabled=True, remapper_was=None)
+    yield
+    restore_optimizer_options(options)
+    restore_global_policy(policy)
+    cpu_float16._STATE.update(state)
+
+
+def test_status_disable_and_enable_set_nothing_that_was_unset(settings_unset):
+    assert cpu_float16.status(hardware=CPU_ONLY) == {
+        "enabled": True,
+        "applies": False,  # an unset global policy is float32's
+        "remapper_off": False,
+        "routes": ["float32 convolution", "float32 product", "float32 attention"],
+    }
+    cpu_float16.disable()
+    assert cpu_float16.status(hardware=CPU_ONLY)["enabled"] is False
+    cpu_float16.enable()
+    assert optimizer_options() == {}
+    assert global_policy() is None
+
+
+def test_status_applies_to_the_model_asked_about(settings_unset):
+    model = _mlp()  # float16 layers
+    restore_global_policy(None)  # unset again (policy_scope sets it back to float32)
+    assert cpu_float16.status(hardware=CPU_ONLY)["applies"] is False
+    assert cpu_float16.status(model, CPU_ONLY)["applies"] is True
+    assert cpu_float16.status(model.layers[-1], CPU_ONLY)["applies"] is False  # float32 head
+    assert cpu_float16.status("mixed_float16", CPU_ONLY)["applies"] is True
+    assert cpu_float16.status(model, WITH_GPU)["applies"] is False
+    assert global_policy() is None
+
+
+@pytest.mark.parametrize(
+    "hardware, routes",
+    [
+        (CPU_ONLY, ["float32 convolution", "float32 product", "float32 attention"]),
+        (EPYC, ["float32 convolution", "float32 product", "float32 attention"]),
+        # AVX512_FP16: a plain float16 MatMul runs at float32's speed, so Dense stays float16
+        (SAPPHIRE_RAPIDS, ["float32 convolution", "float32 attention"]),
+        (WITH_GPU, []),
+    ],
+)
+def test_the_routes_follow_the_kernels_each_cpu_has(hardware, routes):
+    assert [r.name for r in cpu_float16.routes_on(hardware)] == routes
+    assert cpu_float16.status(hardware=hardware)["routes"] == routes
+    model = _transformer_bits()
+    expected = {
+        "float32 product": ["attention_output", "ffn", "key", "query", "value"],
+        "float32 attention": ["mha"],
+    }
+    served = sorted(name for r in routes for name in expected.get(r, []))
+    assert sorted(cpu_float16.float16_product_layers(model, hardware)) == served
+    assert sorted(cpu_float16.fast_float16_layers(model, hardware)) == served
+    assert list(cpu_float16.float16_product_layers(model, hardware).values()) == [True] * len(
+        served
+    )
 
 
 def _cnn(policy):
@@ -175,11 +259,13 @@ def test_float16_dense_and_einsum_dense_compute_their_product_in_float32():
     assert ffn(tf.ones((1, 6, 16))).dtype == tf.float16
 
 
-def _train_transformer_bits(steps=3):
+def _train_transformer_bits(hardware=None, steps=3):
     rng = np.random.default_rng(2)
     x = rng.normal(size=(8, 6, 16)).astype("float32")
     y = rng.normal(size=(8, 4)).astype("float32")
     model = _transformer_bits()
+    if hardware is not None:
+        cpu_float16.fast_float16_layers(model, hardware)
     opt = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=256.0)
     step = tfmixprec.make_train_step(model, keras.losses.MeanSquaredError(), opt)
     for _ in range(steps):
@@ -192,7 +278,7 @@ def test_float32_products_give_the_same_updates_within_float16_rounding(remapper
     plain_model, plain = _train_transformer_bits()
     assert "call" not in vars(plain_model.get_layer("ffn"))
     cpu_float16.enable()
-    fast_model, fast = _train_transformer_bits()
+    fast_model, fast = _train_transformer_bits(CPU_ONLY)  # every route, whatever this CPU
     assert "call" in vars(fast_model.get_layer("ffn"))
     for a, b in zip(plain, fast):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
@@ -266,8 +352,10 @@ def test_a_realistic_float16_cnn_trains_on_a_cpu_like_float32():
         history = model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
         trained[policy] = (history.history, [w.numpy() for w in model.trainable_weights])
     (h32, w32), (h16, w16) = trained["float32"], trained["mixed_float16"]
-    if not tfmixprec.detect_hardware().gpus:  # the two convolutions and the hidden Dense
-        assert list(cpu_float16.float16_product_layers(model).values()) == [True] * 3
+    hardware = detect_hardware()
+    if not hardware.gpus:  # the two convolutions, and the hidden Dense without AVX512_FP16
+        routed = [True] * (2 if hardware.cpu_float16 else 3)
+        assert list(cpu_float16.float16_product_layers(model).values()) == routed
     assert h16["overflow_steps"][-1] == 0.0  # no step skipped: the same 4 updates
     np.testing.assert_allclose(h16["loss"], h32["loss"], rtol=2e-3)
     for a, b in zip(w32, w16):
@@ -339,7 +427,7 @@ def test_float16_attention_computes_its_products_in_float32():
     plain, routed = _attention_model(), _attention_model()
     routed.set_weights(plain.get_weights())
     assert "attention" in cpu_float16.fast_float16_layers(routed, CPU_ONLY)
-    assert cpu_float16.float16_product_layers(routed)["attention"] is True
+    assert cpu_float16.float16_product_layers(routed, CPU_ONLY)["attention"] is True
     assert "_compute_attention" in vars(routed.get_layer("attention"))
     assert "_compute_attention" not in vars(plain.get_layer("attention"))
     x = np.random.default_rng(0).normal(size=(4, 6, 16)).astype("float32")

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfmixprec
-from tfmixprec import GPUInfo
+from tfmixprec import GPUInfo, HardwareInfo
 from tfmixprec.precision.hardware import _read_cpuinfo
 
 CPUINFO = """processor\t: 0
@@ -39,6 +39,7 @@ def test_detect_hardware_matches_this_machine():
     assert hw.cpu_name == (name.group(1) if name else hw.cpu_name)
     assert hw.cpu_bfloat16 is bool({"avx512_bf16", "amx_bf16"} & flags)
     assert hw.cpu_amx is ("amx_bf16" in flags)
+    assert hw.cpu_float16 is bool({"avx512_fp16", "amx_fp16"} & flags)
 
 
 def test_gpu_info_tensor_cores():
@@ -49,3 +50,16 @@ def test_gpu_info_tensor_cores():
     assert GPUInfo("L4", (8, 9)).float8 and GPUInfo("H100", (9, 0)).float8
     assert not GPUInfo("A100", (8, 0)).float8 and not GPUInfo("unknown").float8
     assert GPUInfo("T4", (7, 5)).describe() == "T4 (compute capability 7.5, Tensor Cores)"
+
+
+@pytest.mark.parametrize(
+    "flags, float16",
+    [
+        (set(), False),
+        ({"avx512f", "avx512_bf16"}, False),  # the AMD EPYC: bfloat16, no float16
+        ({"avx512_bf16", "avx512_fp16", "amx_bf16"}, True),  # Sapphire Rapids
+        ({"amx_fp16"}, True),
+    ],
+)
+def test_cpu_float16_reads_avx512_fp16_and_amx_fp16(flags, float16):
+    assert HardwareInfo(cpu_flags=frozenset(flags)).cpu_float16 is float16

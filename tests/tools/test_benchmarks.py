@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import tfmixprec
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -83,7 +85,7 @@ def test_step_ops_smoke():
 
 
 def test_cpu_kernels_smoke():
-    out = _run("cpu_kernels.py", "--size", "32", "--repeats", "1")
+    out = _run("cpu_kernels.py", "--size", "32", "--repeats", "1", "--steps", "1")
     assert "remapper on (default): ms per call (x float32)" in out
     assert "remapper off: ms per call (x float32)" in out
     ops = (
@@ -97,6 +99,11 @@ def test_cpu_kernels_smoke():
     for op in ops:
         assert out.count(op) == 2  # once per remapper setting
     assert out.count("(  1.00x)") >= 14  # the float32 column of every row
+    # Each float16 route trained natively and routed, with whether this CPU takes it.
+    here = {r.name for r in tfmixprec.cpu_float16.routes_on()}
+    for name in ("float32 convolution", "float32 product", "float32 attention"):
+        on = "yes" if name in here else "no"
+        assert re.search(rf"^{name} +{on} +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+x$", out, re.M), out
 
 
 def test_diagnosis_names_every_case():

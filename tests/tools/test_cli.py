@@ -746,6 +746,18 @@ def test_help_and_usage_errors_never_import_tensorflow(args, code, expected):
     assert top & {"tensorflow", "keras", "tfmixprec", "numpy"} == set()
 
 
+def test_doctor_help_describes_the_report(capsys):
+    from _tfmixprec_args import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["doctor", "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the CPU's float16 and bfloat16 instructions (AVX512_FP16, AVX512_BF16, AMX)" in out
+    assert "the routes tfmixprec takes around slow float16 and bfloat16 CPU kernels" in out
+    assert "--json print the report as JSON" in out
+
+
 def test_help_lists_every_command():
     code, out, _ = _run_command([str(SCRIPT), "--help"])
     assert code == 0
@@ -849,5 +861,5 @@ def test_demo_with_float16_without_a_gpu_says_what_is_faster(tmp_path):
     assert err.count(warning) == 1 and "cli.py" not in err  # one line, no source position
     faster = tfmixprec.choose_policy().name
     assert f"for speed on this machine use {faster!r}" in err
-    assert "tfmixprec.cpu_float16 routes around TensorFlow's slow float16 CPU kernels" in err
+    assert "tfmixprec.cpu_float16 routes around the float16 kernels slow on this CPU" in err
     assert HIDDEN_TF_LINE.findall(err) == []  # TensorFlow's ERROR lines may come (any CPU)

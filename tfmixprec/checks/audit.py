@@ -731,17 +731,19 @@ def _wrapper_at_compile(model: keras.Model, context: _AuditContext) -> str | Non
 
 
 def _cpu_float16_kernels(model: keras.Model, context: _AuditContext) -> list[Finding]:
-    """Float16 layers that run TensorFlow's slow float16 CPU kernels on this machine."""
+    """Float16 layers that run float16 CPU kernels slow on this machine's CPU, not routed."""
     if not context.cpu_only:
         return []
-    slow = [name for name, done in cpu_float16.float16_product_layers(model).items() if not done]
+    done = cpu_float16.float16_product_layers(model, context.hardware)
+    served = cpu_float16.served_layers(model, context.hardware)
+    slow = [(layer.name, route) for layer, route in served if not done[layer.name]]
     if not slow:
         return []
-    shown = ", ".join(repr(name) for name in slow[:3]) + (", ..." if len(slow) > 3 else "")
+    shown = ", ".join(repr(name) for name, _ in slow[:3]) + (", ..." if len(slow) > 3 else "")
+    whys = "; ".join(dict.fromkeys(route.why for _, route in slow))
     message = (
-        f"on this machine (no GPU), {len(slow)} float16 layer(s) ({shown}) run "
-        "TensorFlow's slow float16 CPU kernels (convolution gradients, and float16 matmuls "
-        "without AVX512_FP16; benchmarks/RESULTS.md, 2b)."
+        f"on this machine (no GPU), {len(slow)} float16 layer(s) ({shown}) run TensorFlow "
+        f"float16 CPU kernels that are slow on this CPU: {whys} (benchmarks/RESULTS.md, 16)."
     )
     fix = (
         "Train through tfmixprec (MixedPrecisionModel.compile or make_train_step do it), "

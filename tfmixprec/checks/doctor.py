@@ -1,8 +1,8 @@
 """The `doctor()` report: versions, devices, what they are good at, and the policy to use.
 
 It reads `hardware`, `policy` (whose note on float16 without a GPU says what `cpu_float16`
-does on this machine) and `cpu_bfloat16` (its routes on this CPU); nothing in the package
-imports it back.
+does on this machine), `cpu_float16` and `cpu_bfloat16` (their routes on this CPU); nothing
+in the package imports it back.
 """
 
 from __future__ import annotations
@@ -13,8 +13,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec.precision import cpu_bfloat16
-from tfmixprec.precision.hardware import BF16_CPU_FLAGS, HardwareInfo, detect_hardware
+from tfmixprec.precision import cpu_bfloat16, cpu_float16
+from tfmixprec.precision.hardware import (
+    BF16_CPU_FLAGS,
+    FP16_CPU_FLAGS,
+    HardwareInfo,
+    detect_hardware,
+)
 from tfmixprec.precision.policy import choose_policy, float16_without_gpu_note
 
 __all__ = ["DoctorReport", "doctor"]
@@ -32,10 +37,12 @@ class DoctorReport:
     current_policy: str
     warnings: list[str]
     bfloat16_routes: list[str] = dataclasses.field(default_factory=list)
+    float16_routes: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data["hardware"]["cpu_flags"] = sorted(self.hardware.cpu_flags & set(BF16_CPU_FLAGS))
+        flags = set(BF16_CPU_FLAGS + FP16_CPU_FLAGS)
+        data["hardware"]["cpu_flags"] = sorted(self.hardware.cpu_flags & flags)
         data["hardware"]["gpus"] = [
             {
                 "name": g.name,
@@ -56,6 +63,9 @@ class DoctorReport:
             f"  CPU bfloat16      {'yes' if hw.cpu_bfloat16 else 'no'} "
             f"(AVX512_BF16: {'yes' if 'avx512_bf16' in hw.cpu_flags else 'no'}, "
             f"AMX_BF16: {'yes' if hw.cpu_amx else 'no'})",
+            f"  CPU float16       {'yes' if hw.cpu_float16 else 'no'} "
+            f"(AVX512_FP16: {'yes' if 'avx512_fp16' in hw.cpu_flags else 'no'}, "
+            f"AMX_FP16: {'yes' if 'amx_fp16' in hw.cpu_flags else 'no'})",
         ]
         if hw.gpus:
             for index, gpu in enumerate(hw.gpus):
@@ -63,6 +73,7 @@ class DoctorReport:
         else:
             lines.append("  GPUs              none")
         lines.append(f"  TPUs              {hw.tpus}")
+        lines.append(f"  float16 routes    {self._float16_routes_line()}")
         lines.append(f"  bfloat16 routes   {self._routes_line()}")
         lines.append(f"  current policy    {self.current_policy}")
         lines.append(f"  recommended       {self.recommended_policy}: {self.reason}")
@@ -77,9 +88,19 @@ class DoctorReport:
             return "off (tfmixprec.cpu_bfloat16.enable() turns them on)"
         return "none on this machine"
 
+    def _float16_routes_line(self) -> str:
+        native = ", float16 matmuls native (AVX512_FP16)" if self.hardware.cpu_float16 else ""
+        if self.float16_routes:
+            routes = ", ".join(self.float16_routes)
+            return f"the fused MatMul off, {routes}{native} (tfmixprec.cpu_float16)"
+        if cpu_float16.routes_on(self.hardware):
+            return "off (tfmixprec.cpu_float16.enable() turns them on)"
+        return "none on this machine"
+
 
 def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> DoctorReport:
-    """Reports versions, devices, bfloat16/Tensor Core support and the policy to use.
+    """Reports versions, devices, float16/bfloat16/Tensor Core support, the CPU routes (float16,
+    bfloat16) this machine gets and the policy to use.
 
     Args:
         hardware: `HardwareInfo`. The devices to report on; detected when `None`.
@@ -110,6 +131,7 @@ def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> D
             "bfloat16 is emulated and slower than float32. Use tfmixprec.set_policy('float32')."
         )
     routes = cpu_bfloat16.status(hardware)
+    float16 = cpu_float16.status("float32", hardware)  # the routes, not whether they apply now
     report = DoctorReport(
         tensorflow_version=tf.__version__,
         keras_version=keras.__version__,
@@ -119,6 +141,7 @@ def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> D
         current_policy=current,
         warnings=warnings,
         bfloat16_routes=routes["routes"] if routes["enabled"] else [],
+        float16_routes=float16["routes"] if float16["enabled"] else [],
     )
     if print_report:
         print(report)

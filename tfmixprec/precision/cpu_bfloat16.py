@@ -37,8 +37,7 @@ has its traced functions traced again); `enable` / `disable` switch them.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -53,7 +52,7 @@ from tfmixprec._keras.kernels import (
     float32_inside_call,
     reverse_called,
 )
-from tfmixprec.precision.cpu_route import cpu_only, route, route_of
+from tfmixprec.precision.cpu_route import Route, cpu_only, route, route_of
 from tfmixprec.precision.hardware import HardwareInfo, detect_hardware
 
 __all__ = [
@@ -73,24 +72,6 @@ __all__ = [
 ]
 
 _STATE = {"enabled": True}
-
-
-@dataclasses.dataclass(frozen=True)
-class Route:
-    """One way around a slow bfloat16 computation on CPUs.
-
-    Attributes:
-        name: String. What the route does, as `doctor` and `audit` print it.
-        why: String. The measured reason, in one sentence.
-        method: Callable `method(layer) -> (attribute, replacement) or None`: what it
-            replaces on a layer it serves.
-        helps: Callable `helps(hardware) -> bool`: the CPUs it was measured to help on.
-    """
-
-    name: str
-    why: str
-    method: Callable[[Any], tuple[str, Any] | None]
-    helps: Callable[[HardwareInfo], bool]
 
 
 def _reverse_projection(layer: Any) -> tuple[str, Any] | None:

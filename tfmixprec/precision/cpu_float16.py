@@ -1,23 +1,25 @@
-"""float16 at float32 speed on CPUs: route around TensorFlow's slow float16 CPU kernels.
+"""float16 at float32 speed on CPUs: route around the float16 CPU kernels slow on this CPU.
 
-Some of TensorFlow's float16 CPU kernels are many times slower than float32 (the figures,
-per machine: benchmarks/RESULTS.md, 2b, and `python benchmarks/cpu_kernels.py`). Four
-workarounds, on by default where a float16 policy meets a machine without a GPU or TPU:
+Some of TensorFlow's float16 CPU kernels are many times slower than float32, and which ones
+depends on the CPU (the figures, per CPU family: benchmarks/RESULTS.md, 2b and 16; `python
+benchmarks/cpu_kernels.py` times them on yours). Where a float16 policy meets a machine
+without a GPU or TPU:
 
-- float16 convolution layers compute their convolution in float32 (inputs and kernel cast
-  up, the output cast back), so the forward pass and both gradients run float32 kernels;
-- grappler's remapper is turned off (process-wide, as the policy is), so MatMul + BiasAdd is
-  not fused into `_FusedMatMul`, whose float16 CPU kernel is slow on some CPUs;
-- float16 `Dense` and `EinsumDense` layers compute their product in float32 the same way;
-- float16 `MultiHeadAttention` layers (KerasHub's attention too) with dropout compute their
-  score and value products in float32: in float16 they run Eigen's einsum, not oneDNN's (199
-  ms of op time on a GPT-2 step, against 145 in float32; benchmarks/RESULTS.md, 11). Without
-  dropout Keras takes `dot_product_attention`, which has no float16 cast of the scores to
-  keep an overflow visible, so that path stays in float16.
+- grappler's remapper is turned off (process-wide, as the policy is), on every CPU: it fuses
+  MatMul + BiasAdd into `_FusedMatMul`, whose float16 kernel ran about 1000x float32 on a
+  Sapphire Rapids Xeon. It stays off for the process (`route_around_fused_matmul`);
+- the layers a route in `ROUTES` serves compute in float32 on the CPUs the route was
+  measured to help on (`routes_on`): float16 convolutions (every CPU measured), `Dense` and
+  `EinsumDense` products (CPUs without AVX512_FP16: with it, a plain float16 `MatMul` runs at
+  float32's speed and native float16 trained faster than this route), and the score and value
+  products of `MultiHeadAttention` with dropout (Eigen's einsum in float16; measured on CPUs
+  without AVX512_FP16, kept where unmeasured). Without dropout Keras takes
+  `dot_product_attention`, which has no float16 cast of the scores to keep an overflow
+  visible, so that path stays in float16.
 
-A layer's output, variables and saved file are unchanged; values agree within float16
+A routed layer's output, variables and saved file are unchanged; values agree within float16
 rounding, and an overflow past float16's range is still `inf`. `enable` / `disable` switch
-them.
+the routes for what comes next.
 """
 
 from __future__ import annotations
@@ -35,41 +37,62 @@ from tfmixprec._keras.kernels import (
     float32_convolution_call,
     float32_product_call,
 )
-from tfmixprec._keras.settings import optimizer_options, restore_optimizer_options
-from tfmixprec.precision.cpu_route import cpu_only, route, route_of
-from tfmixprec.precision.hardware import HardwareInfo
+from tfmixprec._keras.settings import global_policy, optimizer_options, restore_optimizer_options
+from tfmixprec.precision.cpu_route import Route, cpu_only, route, route_of
+from tfmixprec.precision.hardware import HardwareInfo, detect_hardware
 
 __all__ = [
+    "ATTENTION",
+    "CONVOLUTIONS",
+    "PRODUCTS",
+    "ROUTES",
     "applies",
     "disable",
     "enable",
     "fast_float16_layers",
     "float16_product_layers",
     "route_around_fused_matmul",
+    "routes_on",
+    "served_layers",
     "status",
 ]
 
 _STATE = {"enabled": True, "remapper_was": None}  # process-wide TF config, like the policy
-ROUTE = "float32 product"  # the route these layers take (`_cpu_route.route_of`)
+
+
+def _compute_dtype(target: Any) -> str:
+    """The compute dtype that decides: a model's or layer's ("float16" if any of its layers
+    computes in float16), a policy's or its name's; the global policy's for `None`, read
+    without setting an unset one (Keras's `dtype_policy()` would set it)."""
+    if isinstance(target, keras.Layer):  # a model too
+        dtypes = {layer.compute_dtype for layer in all_layers(target)}
+        return "float16" if "float16" in dtypes else target.compute_dtype
+    if target is None:
+        target = global_policy()
+        return keras.config.floatx() if target is None else target.compute_dtype
+    return keras.dtype_policies.get(target).compute_dtype
 
 
 def applies(policy: Any = None, hardware: HardwareInfo | None = None) -> bool:
-    """True where the workarounds help: enabled, a float16 compute dtype, no GPU or TPU.
+    """True where the routes act: enabled, a float16 compute dtype, no GPU or TPU.
 
     Args:
-        policy: `keras.DTypePolicy` or its name; the global policy when `None`.
+        policy: `keras.DTypePolicy` or its name, or a model or layer (float16 when any of its
+            layers computes in float16); the global policy when `None` (read, not set).
         hardware: `HardwareInfo`; detected when `None`.
     """
-    policy = keras.config.dtype_policy() if policy is None else keras.DTypePolicy(policy)
-    return _STATE["enabled"] and policy.compute_dtype == "float16" and cpu_only(hardware)
+    return _STATE["enabled"] and _compute_dtype(policy) == "float16" and cpu_only(hardware)
 
 
 def route_around_fused_matmul(policy: Any = None, hardware: HardwareInfo | None = None) -> bool:
-    """Turns grappler's remapper off if `applies(policy)`; it stays off (for every model in
-    the process, which measured no slower in float32 and bfloat16) until `disable()`.
+    """Turns grappler's remapper off if `applies(policy)`, on every CPU: its fused float16
+    MatMul + BiasAdd (`_FusedMatMul`) ran about 1000x float32 on a Sapphire Rapids Xeon.
 
-    Functions traced and run before this keep the fused kernel: call it (or
-    `tfmixprec.set_policy`, `MixedPrecisionModel.compile`) before the first step.
+    It stays off for every model in the process, `disable()` included: TensorFlow reads the
+    option on every call of a function, not once per trace, so turning it back on would send
+    the float16 models already running here to the fused kernel at their next step. Off, it
+    measured no slower in float32 and bfloat16 (benchmarks/RESULTS.md, 2b). Functions traced
+    before this call run unfused from their next call.
 
     Returns:
         True if the remapper is off because of tfmixprec.
@@ -87,8 +110,8 @@ def _float32_convolution(layer: Any, inputs: Any, kernel: Any) -> Any:
     return tf.cast(result, layer.compute_dtype)
 
 
-# What each workaround replaces, on which layers (measured reasons in the module docstring).
-# A subclass that overrides `call` keeps its own (the replacement re-implements Keras's).
+# Which layers each route serves. A subclass that overrides `call` keeps its own (the
+# replacement re-implements Keras's); a quantized layer is left alone.
 _PRODUCT_CLASSES = (keras.layers.Dense, keras.layers.EinsumDense)
 # Convolutions whose `call` runs `keras.ops` itself (Keras's own `call`, not overridden).
 _CONVOLUTION_CALLS = (
@@ -101,49 +124,106 @@ _CONVOLUTION_CALLS = (
     keras.layers.SeparableConv1D,
     keras.layers.SeparableConv2D,
 )
-
-
 _ATTENTION = keras.layers.MultiHeadAttention._compute_attention
 
 
-def _float32_method(layer: Any) -> tuple[str, Any] | None:
-    if getattr(layer, "quantization_mode", None) is not None:
-        return None
+def _convolution(layer: Any) -> tuple[str, Any] | None:
     call = type(layer).call
     if call is keras.layers.Conv2D.call:  # Keras's base convolution: through convolution_op
         return "convolution_op", _float32_convolution
     if any(call is cls.call for cls in _CONVOLUTION_CALLS):
         return "call", float32_convolution_call
-    if any(call is cls.call for cls in _PRODUCT_CLASSES):
+    return None
+
+
+def _product(layer: Any) -> tuple[str, Any] | None:
+    if any(type(layer).call is cls.call for cls in _PRODUCT_CLASSES):
         return "call", float32_product_call
+    return None
+
+
+def _attention(layer: Any) -> tuple[str, Any] | None:
     if getattr(type(layer), "_compute_attention", None) is _ATTENTION:  # KerasHub's too
         return "_compute_attention", float32_attention
     return None
 
 
-def _product_layers(model: keras.Model) -> list[Any]:
-    return [
-        layer
-        for layer in all_layers(model)  # a single layer works too
-        if layer.compute_dtype == "float16" and _float32_method(layer) is not None
-    ]
+CONVOLUTIONS = Route(
+    "float32 convolution",
+    "float16 convolution gradients are slow on every CPU measured (Conv2DBackpropFilter about "
+    "600x float32 on a Sapphire Rapids Xeon, 10x on an AMD EPYC with AVX512_BF16, 2.5x on one "
+    "without AVX-512; two Conv2D trained 4.9-6.2x faster through float32 on that EPYC)",
+    _convolution,
+    lambda hardware: True,
+)
+PRODUCTS = Route(
+    "float32 product",
+    "without AVX512_FP16, float16 matmuls run Eigen's kernels, not oneDNN's (a 4 x Dense(1024) "
+    "MLP trained 1.05-1.39x faster through float32 than in native float16 on an AMD EPYC with "
+    "AVX512_BF16); with AVX512_FP16 a float16 MatMul runs at float32's speed and native "
+    "float16 trained that MLP 1.11x faster than this route (a Sapphire Rapids Xeon)",
+    _product,
+    lambda hardware: not hardware.cpu_float16,
+)
+ATTENTION = Route(
+    "float32 attention",
+    "without AVX512_FP16, attention's float16 score and value products run Eigen's einsum "
+    "(GPT-2 on an AMD EPYC with AVX512_BF16: 199 ms of op time a step, 145 in float32; its "
+    "step 0.85x float32 unrouted, 1.00x routed); not yet measured with AVX512_FP16, so kept "
+    "there too",
+    _attention,
+    lambda hardware: True,
+)
+# The routes, in the order a layer is matched against them (one route per layer).
+ROUTES: tuple[Route, ...] = (CONVOLUTIONS, PRODUCTS, ATTENTION)
 
 
-def float16_product_layers(model: keras.Model) -> dict[str, bool]:
-    """The float16 layers whose product `fast_float16_layers` computes in float32:
-    `{layer name: True if it already does}` (whatever the hardware)."""
-    return {layer.name: route_of(layer) == ROUTE for layer in _product_layers(model)}
+def _hardware(hardware: HardwareInfo | None) -> HardwareInfo:
+    return detect_hardware() if hardware is None else hardware
+
+
+def routes_on(hardware: HardwareInfo | None = None) -> list[Route]:
+    """The routes measured to help on this machine's CPU (none with a GPU or TPU)."""
+    hardware = _hardware(hardware)
+    return [r for r in ROUTES if r.helps(hardware)] if cpu_only(hardware) else []
+
+
+def served_layers(
+    model: keras.Model, hardware: HardwareInfo | None = None
+) -> list[tuple[Any, Route]]:
+    """The float16 layers of `model` a route on this machine serves, with that route
+    (whether they already take it or not; none while the routes are disabled)."""
+    routes = routes_on(hardware) if _STATE["enabled"] else []
+    found = []
+    for layer in all_layers(model):  # a single layer works too
+        if layer.compute_dtype != "float16" or getattr(layer, "quantization_mode", None):
+            continue
+        for candidate in routes:
+            if candidate.method(layer) is not None:
+                found.append((layer, candidate))
+                break
+    return found
+
+
+def float16_product_layers(
+    model: keras.Model, hardware: HardwareInfo | None = None
+) -> dict[str, bool]:
+    """The float16 layers whose product `fast_float16_layers` computes in float32 on this
+    machine: `{layer name: True if it already does}` (empty with a GPU or TPU)."""
+    return {layer.name: route_of(layer) == r.name for layer, r in served_layers(model, hardware)}
 
 
 def fast_float16_layers(model: keras.Model, hardware: HardwareInfo | None = None) -> list[str]:
-    """Makes the float16 convolution, `Dense`, `EinsumDense` and `MultiHeadAttention` layers
-    of `model` compute their products in float32, on CPUs only.
+    """Makes the float16 layers of `model` that run slow kernels on this CPU compute their
+    products in float32 (`routes_on`): convolutions on every CPU; `Dense` and `EinsumDense`
+    on CPUs without AVX512_FP16; `MultiHeadAttention`'s score and value products (with
+    dropout) on every CPU, measured only without AVX512_FP16.
 
     Inputs and kernel are cast up and the product cast back to float16: the layer's output,
     its variables and its saved file are unchanged, the values agree within float16
     rounding, and an overflow past float16's range still shows as `inf` (in the output and,
     for the kernel's gradient, at its float16 cast). Nothing changes on a machine with a GPU,
-    with the workarounds disabled, or for layers that do not compute in float16 (or are
+    with the routes disabled, or for layers that do not compute in float16 (or are
     quantized, or subclass `Dense` with their own `call`). Calling it twice changes nothing
     more.
 
@@ -159,27 +239,27 @@ def fast_float16_layers(model: keras.Model, hardware: HardwareInfo | None = None
     >>> tfmixprec.cpu_float16.fast_float16_layers(model)
     []
     """
-    if not _STATE["enabled"] or not cpu_only(hardware):
-        return []
-    layers = _product_layers(model)
-    for layer in layers:
-        route(layer, ROUTE, *_float32_method(layer))
-    return [layer.name for layer in layers]
+    served = served_layers(model, hardware)
+    for layer, r in served:
+        route(layer, r.name, *r.method(layer))
+    return [layer.name for layer, _ in served]
 
 
 def enable() -> None:
-    """Turns the CPU float16 workarounds on (the default; they act where `applies()`)."""
+    """Turns the routes on (the default; they act where `applies()`), and the remapper off
+    where the global policy computes in float16 on a machine without a GPU."""
     _STATE["enabled"] = True
     route_around_fused_matmul()
 
 
 def disable() -> None:
-    """Turns them off: the remapper back as it was, no new float32 products (layers
-    already changed keep computing in float32)."""
+    """Turns the routes off for what comes next: no new float32 products, and a float16
+    policy no longer turns the remapper off. Safe for the models already in use: the layers
+    already routed keep their route, and a remapper tfmixprec turned off stays off
+    (`route_around_fused_matmul` says why; once no float16 model runs in the process,
+    `tf.config.optimizer.set_experimental_options({"remapping": True})` turns it on). Sets
+    no grappler option and no global policy."""
     _STATE["enabled"] = False
-    if _STATE["remapper_was"] is not None:
-        tf.config.optimizer.set_experimental_options({"remapping": _STATE["remapper_was"]})
-        _STATE["remapper_was"] = None
 
 
 @contextlib.contextmanager
@@ -197,10 +277,24 @@ def process_state_kept() -> Iterator[None]:
         _STATE.update(saved)
 
 
-def status() -> dict[str, Any]:
-    """What is on now: `{"enabled", "applies", "remapper_off"}`."""
+def status(model: Any = None, hardware: HardwareInfo | None = None) -> dict[str, Any]:
+    """What is on now: `{"enabled", "applies", "remapper_off", "routes"}`. Reads, sets
+    nothing (an unset global policy stays unset).
+
+    Args:
+        model: A `keras.Model` or layer: `applies` is for it (float16 when any of its layers
+            computes in float16); or a `keras.DTypePolicy` or its name; the global policy
+            when `None`.
+        hardware: `HardwareInfo`; detected when `None`.
+
+    Returns:
+        A dict: `enabled` (the switch), `applies` (`applies(model)`), `remapper_off` (off
+        because of tfmixprec), `routes` (the names of `routes_on()`, this CPU's routes).
+    """
+    hardware = _hardware(hardware)
     return {
         "enabled": _STATE["enabled"],
-        "applies": applies(),
+        "applies": applies(model, hardware),
         "remapper_off": _STATE["remapper_was"] is not None,
+        "routes": [r.name for r in routes_on(hardware)],
     }

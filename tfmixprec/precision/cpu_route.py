@@ -7,7 +7,9 @@ saved file and every other model are untouched. A layer takes one route, once.
 
 from __future__ import annotations
 
+import dataclasses
 import types
+from collections.abc import Callable
 from typing import Any
 
 from tfmixprec._keras.patches import Patch, patch, patches_of
@@ -16,6 +18,25 @@ from tfmixprec.precision.hardware import HardwareInfo, detect_hardware
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
 _WHO = "cpu route "  # a route's patch is made by "cpu route <its name>" (`_keras.patches`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One way around a slow float16 or bfloat16 computation on CPUs (the tables
+    `cpu_float16.ROUTES` and `cpu_bfloat16.ROUTES`).
+
+    Attributes:
+        name: String. What the route does, as `doctor` and `audit` print it.
+        why: String. The measured reason, in one sentence.
+        method: Callable `method(layer) -> (attribute, replacement) or None`: what it
+            replaces on a layer it serves.
+        helps: Callable `helps(hardware) -> bool`: the CPUs it was measured to help on.
+    """
+
+    name: str
+    why: str
+    method: Callable[[Any], tuple[str, Any] | None]
+    helps: Callable[[HardwareInfo], bool]
 
 
 def cpu_only(hardware: HardwareInfo | None) -> bool:

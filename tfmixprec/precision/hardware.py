@@ -17,6 +17,8 @@ __all__ = ["GPUInfo", "HardwareInfo", "detect_hardware"]
 
 # CPU flags (as Linux spells them in /proc/cpuinfo) that give native bfloat16 math.
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+# ... and native float16 math (Sapphire Rapids has AVX512_FP16; Granite Rapids AMX_FP16 too).
+FP16_CPU_FLAGS = ("avx512_fp16", "amx_fp16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,12 @@ class HardwareInfo:
     def cpu_amx(self) -> bool:
         """True when the CPU has AMX tiles for bfloat16."""
         return "amx_bf16" in self.cpu_flags
+
+    @property
+    def cpu_float16(self) -> bool:
+        """True when the CPU has AVX512_FP16 or AMX_FP16: float16 matmuls run natively (a
+        plain float16 `MatMul` at float32's speed on a Sapphire Rapids Xeon)."""
+        return any(flag in self.cpu_flags for flag in FP16_CPU_FLAGS)
 
 
 def _read_cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[str, frozenset[str]]:
