@@ -1120,15 +1120,15 @@ def test_auditing_a_file_leaves_every_setting_as_it_found_it(tmp_path, fresh_set
         lambda config: config["compile_config"].update(unknown_argument=1),
     )
     fresh_settings()
-    # (cpu_float16.status() reads the global policy, which sets it: its switches are read here)
-    before, switches = tf.config.optimizer.get_experimental_options(), dict(cpu_float16._STATE)
+    before, switches = tf.config.optimizer.get_experimental_options(), cpu_float16.status()
+    assert global_state.get_global_attribute("dtype_policy") is None  # status() set nothing
     assert "remapping" not in before
     for name, code in [("model.keras", 0), ("fails.keras", 2)]:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             assert cli.main(["audit", str(tmp_path / name)]) == code
         assert tf.config.optimizer.get_experimental_options() == before
         assert global_state.get_global_attribute("dtype_policy") is None
-        assert cpu_float16._STATE == switches
+        assert cpu_float16.status() == switches
 
 
 def test_a_legacy_h5_file_with_code_in_its_training_config_is_refused(tmp_path):

@@ -88,7 +88,7 @@ def test_routes_measured_per_cpu():
     assert [r.name for r in cpu_bfloat16.routes_on(AMX)] == ["bfloat16 logits"]  # measured
     assert cpu_bfloat16.routes_on(NO_BF16) == []
     assert cpu_bfloat16.routes_on(WITH_GPU) == []
-    assert cpu_bfloat16.status(AMX)["routes"] == ["bfloat16 logits"]
+    assert cpu_bfloat16.status(hardware=AMX)["routes"] == ["bfloat16 logits"]
 
 
 @needs_reversible
@@ -167,7 +167,7 @@ def test_nothing_routed_off_the_cpu_or_the_switch(switch_restored):
     assert cpu_bfloat16.fast_bfloat16_layers(model, WITH_GPU) == []
     assert cpu_bfloat16.bfloat16_route_layers(model, WITH_GPU) == {}
     cpu_bfloat16.disable()
-    assert cpu_bfloat16.status(AVX512_BF16) == {
+    assert cpu_bfloat16.status(hardware=AVX512_BF16) == {
         "enabled": False,
         "applies": False,
         "routes": ["bfloat16 logits", "float32 depthwise convolution"],
@@ -369,3 +369,23 @@ def test_elementwise_route_on_request_computes_element_wise_work_in_float32():
     np.testing.assert_array_equal(
         dropped[kept], np.asarray(keras.ops.cast(hidden * 2, "float32"))[kept]
     )
+
+
+def test_status_reads_the_model_asked_about_and_sets_no_global_policy():
+    """`status()` read through Keras's `dtype_policy()` used to set an unset global policy;
+    `status(model)` answers for the model, whatever the global policy."""
+    from tfmixprec._keras.settings import global_policy, restore_global_policy
+
+    kept = global_policy()
+    try:
+        with tfmixprec.policy_scope("mixed_bfloat16"):
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)])
+        restore_global_policy(None)
+        assert cpu_bfloat16.status(hardware=AVX512_BF16)["applies"] is False  # float32's
+        assert global_policy() is None
+        assert cpu_bfloat16.status(model, AVX512_BF16)["applies"] is True
+        assert cpu_bfloat16.status(model, WITH_GPU)["applies"] is False
+        assert cpu_bfloat16.status("mixed_bfloat16", NO_BF16)["applies"] is False
+        assert global_policy() is None
+    finally:
+        restore_global_policy(kept)

@@ -21,8 +21,23 @@ from tfmixprec._common.validate import check_bool
 from tfmixprec._keras.graph import all_sublayers
 from tfmixprec._keras.losses import as_compiled
 from tfmixprec._keras.patches import patch
+from tfmixprec._keras.settings import global_policy
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
+
+
+def compute_dtype_of(target: Any, low: str) -> str:
+    """The compute dtype that decides for `target`: a model's or layer's (`low` when any of
+    its layers computes in `low`, else its own), a policy's or its name's; for `None` the
+    global policy's, read without setting an unset one (`keras.config.dtype_policy()` would
+    set it)."""
+    if isinstance(target, keras.Layer):  # a model too
+        dtypes = {layer.compute_dtype for layer in all_layers(target)}
+        return low if low in dtypes else target.compute_dtype
+    if target is None:
+        target = global_policy()
+        return keras.config.floatx() if target is None else target.compute_dtype
+    return keras.dtype_policies.get(target).compute_dtype
 
 
 def check_built_model(model: Any, what: str) -> None:

@@ -130,7 +130,7 @@ def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> D
             "the global policy is mixed_bfloat16 but this CPU has no AVX512_BF16/AMX_BF16: "
             "bfloat16 is emulated and slower than float32. Use tfmixprec.set_policy('float32')."
         )
-    routes = cpu_bfloat16.status(hardware)
+    routes = cpu_bfloat16.status(hardware=hardware)
     float16 = cpu_float16.status("float32", hardware)  # the routes, not whether they apply now
     report = DoctorReport(
         tensorflow_version=tf.__version__,

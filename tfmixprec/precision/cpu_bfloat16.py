@@ -42,7 +42,7 @@ from typing import Any
 
 import keras
 
-from tfmixprec._common.layers import all_layers
+from tfmixprec._common.layers import all_layers, compute_dtype_of
 from tfmixprec._keras.fit import make_train_function
 from tfmixprec._keras.kernels import (
     REVERSIBLE_EMBEDDING,
@@ -143,14 +143,14 @@ def applies(policy: Any = None, hardware: HardwareInfo | None = None) -> bool:
     CPU with bfloat16 instructions.
 
     Args:
-        policy: `keras.DTypePolicy` or its name; the global policy when `None`.
+        policy: `keras.DTypePolicy` or its name, or a model or layer (bfloat16 when any of its
+            layers computes in bfloat16); the global policy when `None` (read, not set).
         hardware: `HardwareInfo`; detected when `None`.
     """
-    policy = keras.config.dtype_policy() if policy is None else keras.DTypePolicy(policy)
     hardware = _hardware(hardware)
     return (
         _STATE["enabled"]
-        and policy.compute_dtype == "bfloat16"
+        and compute_dtype_of(policy, "bfloat16") == "bfloat16"
         and cpu_only(hardware)
         and hardware.cpu_bfloat16
     )
@@ -262,10 +262,22 @@ def disable() -> None:
     _STATE["enabled"] = False
 
 
-def status(hardware: HardwareInfo | None = None) -> dict[str, Any]:
-    """What is on now: `{"enabled", "applies", "routes"}` (the names of `routes_on()`)."""
+def status(model: Any = None, hardware: HardwareInfo | None = None) -> dict[str, Any]:
+    """What is on now: `{"enabled", "applies", "routes"}`. Reads, sets nothing (an unset
+    global policy stays unset).
+
+    Args:
+        model: A `keras.Model` or layer: `applies` is for it (bfloat16 when any of its layers
+            computes in bfloat16); or a `keras.DTypePolicy` or its name; the global policy
+            when `None`.
+        hardware: `HardwareInfo`; detected when `None`.
+
+    Returns:
+        A dict: `enabled` (the switch), `applies` (`applies(model)`), `routes` (the names of
+        `routes_on()`, this CPU's routes).
+    """
     return {
         "enabled": _STATE["enabled"],
-        "applies": applies(hardware=hardware),
+        "applies": applies(model, hardware),
         "routes": [r.name for r in routes_on(hardware)],
     }

@@ -31,13 +31,13 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec._common.layers import all_layers
+from tfmixprec._common.layers import all_layers, compute_dtype_of
 from tfmixprec._keras.kernels import (
     float32_attention,
     float32_convolution_call,
     float32_product_call,
 )
-from tfmixprec._keras.settings import global_policy, optimizer_options, restore_optimizer_options
+from tfmixprec._keras.settings import optimizer_options, restore_optimizer_options
 from tfmixprec.precision.cpu_route import Route, cpu_only, route, route_of
 from tfmixprec.precision.hardware import HardwareInfo, detect_hardware
 
@@ -60,19 +60,6 @@ __all__ = [
 _STATE = {"enabled": True, "remapper_was": None}  # process-wide TF config, like the policy
 
 
-def _compute_dtype(target: Any) -> str:
-    """The compute dtype that decides: a model's or layer's ("float16" if any of its layers
-    computes in float16), a policy's or its name's; the global policy's for `None`, read
-    without setting an unset one (Keras's `dtype_policy()` would set it)."""
-    if isinstance(target, keras.Layer):  # a model too
-        dtypes = {layer.compute_dtype for layer in all_layers(target)}
-        return "float16" if "float16" in dtypes else target.compute_dtype
-    if target is None:
-        target = global_policy()
-        return keras.config.floatx() if target is None else target.compute_dtype
-    return keras.dtype_policies.get(target).compute_dtype
-
-
 def applies(policy: Any = None, hardware: HardwareInfo | None = None) -> bool:
     """True where the routes act: enabled, a float16 compute dtype, no GPU or TPU.
 
@@ -81,7 +68,11 @@ def applies(policy: Any = None, hardware: HardwareInfo | None = None) -> bool:
             layers computes in float16); the global policy when `None` (read, not set).
         hardware: `HardwareInfo`; detected when `None`.
     """
-    return _STATE["enabled"] and _compute_dtype(policy) == "float16" and cpu_only(hardware)
+    return (
+        _STATE["enabled"]
+        and compute_dtype_of(policy, "float16") == "float16"
+        and cpu_only(hardware)
+    )
 
 
 def route_around_fused_matmul(policy: Any = None, hardware: HardwareInfo | None = None) -> bool:
