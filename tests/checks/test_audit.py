@@ -1079,7 +1079,7 @@ def fresh_settings():
     def unset():
         options.pop("remapping", None)
         tf.config.optimizer.set_experimental_options({})  # functions re-read the options
-        cpu_float16._STATE.update(enabled=True, remapper_was=None)
+        cpu_float16._STATE.update(enabled=True)
         global_state.set_global_attribute("dtype_policy", None)
 
     yield unset

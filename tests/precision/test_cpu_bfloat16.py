@@ -371,6 +371,40 @@ def test_elementwise_route_on_request_computes_element_wise_work_in_float32():
     )
 
 
+def test_elementwise_route_leaves_a_product_with_no_element_wise_work():
+    """A `Dense` without bias whose activation is Keras's `linear` (what `activation=None`
+    keeps) has nothing to compute in float32 around its product: not routed."""
+    with tfmixprec.policy_scope("mixed_bfloat16"):
+        inputs = keras.Input((16,))
+        bare = keras.layers.Dense(8, use_bias=False, name="bare")(inputs)
+        biased = keras.layers.Dense(8, name="biased")(bare)
+        model = keras.Model(
+            inputs, keras.layers.Dense(8, use_bias=False, activation="relu")(biased)
+        )
+    routes = (cpu_bfloat16.ELEMENTWISE,)
+    taken = cpu_bfloat16.fast_bfloat16_layers(model, AVX512_BF16, routes)
+    assert taken == ["biased", model.layers[-1].name]
+
+
+def test_routing_a_fitted_model_traces_its_functions_again():
+    """A model that already ran `fit`, `evaluate` and `predict` runs the routed layers from
+    the next call: its traced functions are built again (and only where a layer was routed)."""
+    with tfmixprec.policy_scope("mixed_bfloat16"):
+        model = _elementwise_model()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    x, y = np.zeros((4, 16), "float32"), np.zeros((4,), "int32")
+    model.fit(x, y, verbose=0)
+    model.evaluate(x, y, verbose=0)
+    model.predict(x, verbose=0)
+    kinds = ("train", "test", "predict")
+    before = [getattr(model, f"{kind}_function") for kind in kinds]
+    assert cpu_bfloat16.fast_bfloat16_layers(model, AVX512_BF16, (cpu_bfloat16.ELEMENTWISE,))
+    after = [getattr(model, f"{kind}_function") for kind in kinds]
+    assert all(new is not old for new, old in zip(after, before))
+    assert cpu_bfloat16.fast_bfloat16_layers(model, AVX512_BF16, (cpu_bfloat16.ELEMENTWISE,))
+    assert [getattr(model, f"{kind}_function") for kind in kinds] == after  # nothing new
+
+
 def test_status_reads_the_model_asked_about_and_sets_no_global_policy():
     """`status()` read through Keras's `dtype_policy()` used to set an unset global policy;
     `status(model)` answers for the model, whatever the global policy."""

@@ -64,7 +64,7 @@ def test_applies_follows_the_switch(remapper_restored):
 def test_remapper_turned_off_once_and_kept_off_by_disable(remapper_restored):
     """`disable()` leaves the remapper off: TensorFlow reads the option on every call, so
     turning it on would send the float16 models routed here to the fused float16 kernel."""
-    cpu_float16._STATE.update(enabled=True, remapper_was=None)  # a known start
+    cpu_float16._STATE.update(enabled=True)  # a known start
     tf.config.optimizer.set_experimental_options({"remapping": True})
     assert cpu_float16.route_around_fused_matmul("mixed_float16", WITH_GPU) is False
     assert tf.config.optimizer.get_experimental_options()["remapping"] is True
@@ -89,7 +89,7 @@ def settings_unset():
     options, policy, state = optimizer_options(), global_policy(), dict(cpu_float16._STATE)
     restore_optimizer_options({})
     restore_global_policy(None)
-    cpu_float16._STATE.update(enabled=True, remapper_was=None)
+    cpu_float16._STATE.update(enabled=True)
     yield
     restore_optimizer_options(options)
     restore_global_policy(policy)
@@ -201,6 +201,41 @@ def _mlp():
         inputs = keras.Input((16,))
         h = keras.layers.Dense(32, activation="relu")(inputs)
         return keras.Model(inputs, keras.layers.Dense(4, dtype="float32")(h))
+
+
+def test_routing_a_fitted_model_traces_its_functions_again(remapper_restored):
+    """`fast_float16_layers` after `fit`, `evaluate` and `predict`: the traced functions are
+    built again, so the next step runs the float32 products (before, `fit` kept the traced
+    float16 kernels while the call said the layers were routed)."""
+    model = _mlp()
+    model.compile(optimizer=tfmixprec.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse")
+    x, y = np.zeros((4, 16), "float32"), np.zeros((4, 4), "float32")
+    model.fit(x, y, verbose=0)
+    model.evaluate(x, y, verbose=0)
+    model.predict(x, verbose=0)
+    kinds = ("train", "test", "predict")
+    before = [getattr(model, f"{kind}_function") for kind in kinds]
+    assert cpu_float16.fast_float16_layers(model, CPU_ONLY) == [model.layers[1].name]
+    after = [getattr(model, f"{kind}_function") for kind in kinds]
+    assert all(new is not old for new, old in zip(after, before))
+    assert cpu_float16.fast_float16_layers(model, CPU_ONLY) == [model.layers[1].name]
+    assert [getattr(model, f"{kind}_function") for kind in kinds] == after  # nothing new
+
+
+def test_a_remapper_turned_on_by_hand_is_turned_off_by_the_next_float16_policy(
+    remapper_restored,
+):
+    """The option is read, not remembered: after a user turns the remapper back on (the
+    guide's advice once no float16 model runs), a float16 policy turns it off again, and
+    `status()` reports what is set."""
+    cpu_float16._STATE.update(enabled=True)
+    assert cpu_float16.route_around_fused_matmul("mixed_float16", CPU_ONLY) is True
+    tf.config.optimizer.set_experimental_options({"remapping": True})
+    assert cpu_float16.status(hardware=CPU_ONLY)["remapper_off"] is False
+    assert cpu_float16.remapper_off() is False
+    assert cpu_float16.route_around_fused_matmul("mixed_float16", CPU_ONLY) is True
+    assert tf.config.optimizer.get_experimental_options()["remapping"] is False
+    assert cpu_float16.status(hardware=CPU_ONLY)["remapper_off"] is True
 
 
 def test_remapper_off_gives_the_same_dense_updates(remapper_restored):

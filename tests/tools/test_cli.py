@@ -464,8 +464,8 @@ BAD_BENCH_INPUTS = {
     "size-past-memory": (
         ["--model", "mlp", "--size", "3000000"],
         re.escape(
-            "--model mlp --size 3000000 --batch-size 256 (3.6e+13 parameters a model, 3 "
-            "models side by side) "
+            "--model mlp --size 3000000 --batch-size 256 (3.6e+13 parameters a model, 2 "
+            "models side by side) "  # float32 and mixed_bfloat16; auto picks one of them
         )
         + FREE
         + r" Pass --size \d+ or less\.",
@@ -473,7 +473,7 @@ BAD_BENCH_INPUTS = {
     "batch-past-memory": (
         ["--model", "mlp", "--size", "64", "--batch-size", "100000000000"],
         re.escape("--model mlp --size 64 --batch-size 100000000000 (1.7e+04 parameters a ")
-        + r"model, 3 models side by side\) "
+        + r"model, 2 models side by side\) "
         + FREE
         + re.escape(" Pass a smaller --batch-size."),
     ),

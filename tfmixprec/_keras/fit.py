@@ -206,6 +206,22 @@ def make_train_function(model: Any) -> None:
             model.jit_compile = jit
 
 
+def trace_again(model: Any) -> None:
+    """Has Keras trace again, at their next call, the train, test and predict functions a
+    compiled model has already traced (a CPU route changes what a layer computes, and a
+    traced function keeps running the layers' calls as they were traced).
+
+    Why: Keras keeps them in `train_function` / `test_function` / `predict_function` and
+    builds them again only when asked with `force=True` (Keras 3.12 to 3.15); the train
+    function through `make_train_function`, which keeps its XLA setting.
+    """
+    if getattr(model, "train_function", None) is not None:
+        make_train_function(model)
+    for kind in ("test", "predict"):
+        if getattr(model, f"{kind}_function", None) is not None:
+            getattr(model, f"make_{kind}_function")(force=True)
+
+
 def in_xla_context() -> bool:
     """Whether the function being traced now is compiled with XLA (inside a
     `tf.function(jit_compile=True)`, or called from one); False when eager.

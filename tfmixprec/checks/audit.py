@@ -985,7 +985,8 @@ def audit(
     `benchmarks/softmax_precision.py`). Matmul and convolution sizes that are not multiples
     of 8 in float16/bfloat16 layers, in products whose N and K are both 128 or more and
     where padding adds at most 12.5% work (warning, with the padded size and its cost; an
-    info on a machine without a GPU, where only GPU runs gain): a `Dense`'s units and
+    info for the model as it is on a machine without a GPU, where only GPU runs gain; a
+    warning under `policy`, a plan for whichever machine trains it): a `Dense`'s units and
     input features, an `EinsumDense`'s K and N as its einsum lowers to a matmul (dimensions
     it keeps per head are batch dimensions), a convolution's filters and input channels (4
     suffice for an image's first convolution at stride >= 2), an attention's head sizes, and

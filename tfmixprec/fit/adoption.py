@@ -112,8 +112,9 @@ def route_when_set(model: Any, who: str) -> list[str]:
     """Routes the model's layers that run slow CPU kernels, as `MixedPrecisionModel.compile`
     does (a float16 model: `cpu_float16.fast_float16_layers` with the remapper off; bfloat16
     layers: `cpu_bfloat16.fast_bfloat16_layers`; nothing on a GPU or TPU, or where the
-    routes are disabled). Where a layer was routed now, `fit` traces the train step again
-    (once) and that is said once per model. Returns the names of the layers routed now."""
+    routes are disabled). Where a layer was routed now, the model's traced train, test and
+    predict functions are traced again (once) and that is said once per model. Returns the
+    names of the layers routed now."""
     dtype = _compute_dtype(model)
     if dtype == "float32":
         return []
@@ -128,9 +129,7 @@ def route_when_set(model: Any, who: str) -> list[str]:
         if id(layer) not in before and route_of(layer) is not None
     ]
     if not routed:
-        return []
-    if getattr(model, "train_function", None) is not None:
-        make_train_function(model)  # traced before: trace it again with the routes
+        return []  # (a routed model's traced functions are traced again by the routing)
     names = ", ".join(f"{layer.name} ({route_of(layer)})" for layer in routed[:3])
     more = f" and {len(routed) - 3} more" if len(routed) > 3 else ""
     line = (

@@ -43,7 +43,7 @@ from typing import Any
 import keras
 
 from tfmixprec._common.layers import all_layers, compute_dtype_of
-from tfmixprec._keras.fit import make_train_function
+from tfmixprec._keras.fit import trace_again
 from tfmixprec._keras.kernels import (
     REVERSIBLE_EMBEDDING,
     compute_dtype_reverse_call,
@@ -117,8 +117,9 @@ def _elementwise(layer: Any) -> tuple[str, Any] | None:
     if getattr(layer, "quantization_mode", None) or getattr(layer, "lora_enabled", False):
         return None
     call = type(layer).call
-    if call in _EPILOGUE_CALLS and (layer.bias is not None or layer.activation is not None):
-        return "call", float32_epilogue_call
+    if call in _EPILOGUE_CALLS:  # Keras keeps no activation as `linear`: nothing to route
+        linear = layer.activation in (None, keras.activations.linear)
+        return ("call", float32_epilogue_call) if layer.bias is not None or not linear else None
     if call in _INSIDE_CALLS:
         return "call", float32_inside_call
     return None
@@ -219,7 +220,9 @@ def fast_bfloat16_layers(
 
     A compiled model that has already run `fit`, `evaluate` or `predict` has those traced
     again at their next call, where a layer was routed now (so call it once, before `fit`,
-    on a model compiled the ordinary way; a tfmixprec callback in `fit` calls it too).
+    on a model compiled the ordinary way; a tfmixprec callback in `fit` calls it too). Pass
+    the model you compiled (a KerasHub task, not its backbone): only its own traced functions
+    are traced again.
 
     Returns:
         The names of the layers that now take a route.
@@ -237,19 +240,8 @@ def fast_bfloat16_layers(
     for layer, r in served:
         route(layer, r.name, *r.method(layer))
     if new:
-        _trace_again(model)
+        trace_again(model)
     return [layer.name for layer, _ in served]
-
-
-def _trace_again(model: Any) -> None:
-    """Has Keras trace again, at their next call, the train, test and predict functions a
-    compiled model has already traced (a route changes what the model computes, and a
-    traced function keeps running the layers' calls as they were)."""
-    if getattr(model, "train_function", None) is not None:
-        make_train_function(model)
-    for kind in ("test", "predict"):
-        if getattr(model, f"{kind}_function", None) is not None:
-            getattr(model, f"make_{kind}_function")(force=True)
 
 
 def enable() -> None:

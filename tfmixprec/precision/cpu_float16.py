@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from tfmixprec._common.layers import all_layers, compute_dtype_of
+from tfmixprec._keras.fit import trace_again
 from tfmixprec._keras.kernels import (
     float32_attention,
     float32_convolution_call,
@@ -51,13 +52,14 @@ __all__ = [
     "enable",
     "fast_float16_layers",
     "float16_product_layers",
+    "remapper_off",
     "route_around_fused_matmul",
     "routes_on",
     "served_layers",
     "status",
 ]
 
-_STATE = {"enabled": True, "remapper_was": None}  # process-wide TF config, like the policy
+_STATE = {"enabled": True}  # process-wide, like the policy and grappler's options
 
 
 def applies(policy: Any = None, hardware: HardwareInfo | None = None) -> bool:
@@ -85,14 +87,21 @@ def route_around_fused_matmul(policy: Any = None, hardware: HardwareInfo | None 
     measured no slower in float32 and bfloat16 (benchmarks/RESULTS.md, 2b). Functions traced
     before this call run unfused from their next call.
 
+    The option is read each time, not remembered: a remapper turned back on by hand (once no
+    float16 model runs) is turned off again by the next float16 policy here.
+
     Returns:
-        True if the remapper is off because of tfmixprec.
+        True if the remapper is off in this process now.
     """
-    if applies(policy, hardware) and _STATE["remapper_was"] is None:
-        options = tf.config.optimizer.get_experimental_options()
-        _STATE["remapper_was"] = options.get("remapping", True)
+    if applies(policy, hardware) and not remapper_off():
         tf.config.optimizer.set_experimental_options({"remapping": False})
-    return _STATE["remapper_was"] is not None
+    return remapper_off()
+
+
+def remapper_off() -> bool:
+    """True if grappler's remapper is off in this process (set off, by tfmixprec or by
+    hand), read from the options set, without setting any."""
+    return optimizer_options().get("remapping", True) is False
 
 
 def _float32_convolution(layer: Any, inputs: Any, kernel: Any) -> Any:
@@ -216,7 +225,9 @@ def fast_float16_layers(model: keras.Model, hardware: HardwareInfo | None = None
     for the kernel's gradient, at its float16 cast). Nothing changes on a machine with a GPU,
     with the routes disabled, or for layers that do not compute in float16 (or are
     quantized, or subclass `Dense` with their own `call`). Calling it twice changes nothing
-    more.
+    more. A compiled model that has already run `fit`, `evaluate` or `predict` has those
+    traced again at their next call, where a layer was routed now: pass the model you
+    compiled (a KerasHub task, not its backbone).
 
     Args:
         model: `keras.Model` or `keras.Layer`. The model (its nested layers included).
@@ -231,8 +242,11 @@ def fast_float16_layers(model: keras.Model, hardware: HardwareInfo | None = None
     []
     """
     served = served_layers(model, hardware)
+    new = [layer for layer, _ in served if route_of(layer) is None]
     for layer, r in served:
         route(layer, r.name, *r.method(layer))
+    if new:
+        trace_again(model)
     return [layer.name for layer, _ in served]
 
 
@@ -279,13 +293,14 @@ def status(model: Any = None, hardware: HardwareInfo | None = None) -> dict[str,
         hardware: `HardwareInfo`; detected when `None`.
 
     Returns:
-        A dict: `enabled` (the switch), `applies` (`applies(model)`), `remapper_off` (off
-        because of tfmixprec), `routes` (the names of `routes_on()`, this CPU's routes).
+        A dict: `enabled` (the switch), `applies` (`applies(model)`), `remapper_off` (the
+        remapper is off in this process, `remapper_off()`), `routes` (the names of
+        `routes_on()`, this CPU's routes).
     """
     hardware = _hardware(hardware)
     return {
         "enabled": _STATE["enabled"],
         "applies": applies(model, hardware),
-        "remapper_off": _STATE["remapper_was"] is not None,
+        "remapper_off": remapper_off(),
         "routes": [r.name for r in routes_on(hardware)],
     }

@@ -404,8 +404,9 @@ def run_bench(
         one policy (`"auto"` and what it picks) share one result (`distinct_policies`).
     """
     _check_counts(policies, steps, repeats, batch)
-    _check_bench_memory(model, size, batch, len(policies) * len(stacks))
     hardware = detect_hardware()
+    groups = distinct_policies(policies, hardware)  # "auto" and what it picks: one model
+    _check_bench_memory(model, size, batch, len(groups) * len(stacks))
     datasets: dict[int, tf.data.Dataset] = {}
 
     def dataset_for(n: int) -> tf.data.Dataset:
@@ -424,7 +425,7 @@ def run_bench(
                 ),
                 "asked": asked,
             }
-            for asked in distinct_policies(policies, hardware)
+            for asked in groups
             for stack in stacks
         ]
         variants = [_with_data(v, dataset_for(v["batch"])) for v in variants]
