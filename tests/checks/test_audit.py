@@ -416,6 +416,30 @@ def test_on_a_cpu_with_avx512_fp16_gives_the_reason_true_there():
     assert tfmixprec.cpu_float16.PRODUCTS.why in finding.message
 
 
+def test_cpu_float16_kernels_judges_each_layer_not_its_name():
+    """Nested layers share names (each KerasHub block has its `query`): with one of two
+    `query` layers routed, the other is still reported, and once both are, none is."""
+    tfmixprec.set_policy("mixed_float16")
+
+    def block(name):
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="query")], name=name)
+
+    first, second = block("first"), block("second")
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(2, dtype="float32", name="out")(second(first(inputs)))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=tfmixprec.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse")
+    tfmixprec.cpu_float16.fast_float16_layers(first, CPU_ONLY)
+    kernels = "cpu-float16-kernels"
+    (finding,) = [
+        f for f in tfmixprec.audit(model, hardware=CPU_ONLY).findings if f.code == kernels
+    ]
+    assert "1 float16 layer(s) ('query') run" in finding.message
+    tfmixprec.cpu_float16.fast_float16_layers(second, CPU_ONLY)
+    codes = [f.code for f in tfmixprec.audit(model, hardware=CPU_ONLY).findings]
+    assert kernels not in codes
+
+
 def test_warns_of_xla_with_bfloat16_on_a_cpu():
     tfmixprec.set_policy("mixed_bfloat16")
     model = keras.Sequential(

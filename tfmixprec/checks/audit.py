@@ -734,9 +734,9 @@ def _cpu_float16_kernels(model: keras.Model, context: _AuditContext) -> list[Fin
     """Float16 layers that run float16 CPU kernels slow on this machine's CPU, not routed."""
     if not context.cpu_only:
         return []
-    done = cpu_float16.float16_product_layers(model, context.hardware)
     served = cpu_float16.served_layers(model, context.hardware)
-    slow = [(layer.name, route) for layer, route in served if not done[layer.name]]
+    # by the layer itself: nested layers share names (each KerasHub block's `query`)
+    slow = [(layer.name, route) for layer, route in served if route_of(layer) != route.name]
     if not slow:
         return []
     shown = ", ".join(repr(name) for name, _ in slow[:3]) + (", ..." if len(slow) > 3 else "")
