@@ -52,7 +52,7 @@ from tfmixprec._keras.kernels import (
     float32_inside_call,
     reverse_called,
 )
-from tfmixprec.precision.cpu_route import Route, cpu_only, route, route_of
+from tfmixprec.precision.cpu_route import Route, cpu_only, route, route_of, served
 from tfmixprec.precision.hardware import HardwareInfo, detect_hardware
 
 __all__ = [
@@ -176,15 +176,7 @@ def served_layers(
         routes = []
     elif routes is None:
         routes = routes_on(hardware)
-    found = []
-    for layer in all_layers(model):  # a single layer works too
-        if layer.compute_dtype != "bfloat16":
-            continue
-        for candidate in routes:
-            if candidate.method(layer) is not None:
-                found.append((layer, candidate))
-                break
-    return found
+    return served(all_layers(model), "bfloat16", routes)  # a single layer works too
 
 
 def bfloat16_route_layers(

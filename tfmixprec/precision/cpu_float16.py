@@ -39,7 +39,7 @@ from tfmixprec._keras.kernels import (
     float32_product_call,
 )
 from tfmixprec._keras.settings import optimizer_options, restore_optimizer_options
-from tfmixprec.precision.cpu_route import Route, cpu_only, route, route_of
+from tfmixprec.precision.cpu_route import Route, cpu_only, route, route_of, served
 from tfmixprec.precision.hardware import HardwareInfo, detect_hardware
 
 __all__ = [
@@ -194,15 +194,7 @@ def served_layers(
     """The float16 layers of `model` a route on this machine serves, with that route
     (whether they already take it or not; none while the routes are disabled)."""
     routes = routes_on(hardware) if _STATE["enabled"] else []
-    found = []
-    for layer in all_layers(model):  # a single layer works too
-        if layer.compute_dtype != "float16" or getattr(layer, "quantization_mode", None):
-            continue
-        for candidate in routes:
-            if candidate.method(layer) is not None:
-                found.append((layer, candidate))
-                break
-    return found
+    return served(all_layers(model), "float16", routes)  # a single layer works too
 
 
 def float16_product_layers(

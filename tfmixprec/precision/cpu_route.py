@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tfmixprec._keras.patches import Patch, patch, patches_of
@@ -43,6 +43,19 @@ def cpu_only(hardware: HardwareInfo | None) -> bool:
     """True on a machine without a GPU or TPU (`hardware` detected when `None`)."""
     hardware = detect_hardware() if hardware is None else hardware
     return not hardware.gpus and not hardware.tpus
+
+
+def served(layers: Iterable[Any], dtype: str, routes: Sequence[Route]) -> list[tuple[Any, Route]]:
+    """Each of `layers` that computes in `dtype` and is not quantized, with the first of
+    `routes` that serves it (a layer takes one route); layers no route serves are left out."""
+    found = []
+    for layer in layers:
+        if layer.compute_dtype != dtype or getattr(layer, "quantization_mode", None):
+            continue
+        taken = next((r for r in routes if r.method(layer) is not None), None)
+        if taken is not None:
+            found.append((layer, taken))
+    return found
 
 
 def _route_patches(layer: Any) -> list[Patch]:
