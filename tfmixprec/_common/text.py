@@ -35,6 +35,12 @@ GUIDE_TITLES = {
 }
 
 
+def first_few(names: Sequence[str], most: int = 3) -> str:
+    """The first `most` of `names`, comma-separated, with `, ...` when there are more (the
+    layers a finding names)."""
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+
+
 def docs_page(page: str) -> str:
     """The sentence a warning ends with: the guide's title and its path in the repository,
     `See the tfmixprec guide "Fit and callbacks" (docs/guides/fit-and-callbacks.md in the

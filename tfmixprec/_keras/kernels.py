@@ -29,14 +29,22 @@ def float32_product_call(layer: Any, inputs: Any, training: Any = None) -> Any:
     where a float16 product's would; bias and activation stay in float16, as in Keras.
     """
     kernel = tf.cast(keras.ops.cast(layer.kernel, layer.compute_dtype), tf.float32)
-    inputs = tf.cast(inputs, tf.float32)
+    x = _dense_product(layer, tf.cast(inputs, tf.float32), kernel)
+    return _dense_epilogue(layer, tf.cast(x, layer.compute_dtype))
+
+
+def _dense_product(layer: Any, inputs: Any, kernel: Any) -> Any:
+    """The product of a `Dense` (a matmul) or an `EinsumDense` (its einsum)."""
     if isinstance(layer, keras.layers.EinsumDense):
-        x = tf.einsum(layer.equation, inputs, kernel)
-    else:
-        x = keras.ops.matmul(inputs, kernel)
-    x = tf.cast(x, layer.compute_dtype)
+        return keras.ops.einsum(layer.equation, inputs, kernel)
+    return keras.ops.matmul(inputs, kernel)
+
+
+def _dense_epilogue(layer: Any, x: Any) -> Any:
+    """What a `Dense` / `EinsumDense` does after its product, in `x`'s dtype: the bias (read
+    in the compute dtype, as Keras adds it) and the activation."""
     if layer.bias is not None:
-        x = keras.ops.add(x, layer.bias)
+        x = keras.ops.add(x, tf.cast(layer.bias, x.dtype))
     if layer.activation is not None:
         x = layer.activation(x)
     return x
@@ -172,16 +180,8 @@ def float32_attention(
 # compute dtype, so the layer's output dtype is Keras's.
 def float32_epilogue_call(layer: Any, inputs: Any, training: Any = None) -> Any:
     """`Dense.call` / `EinsumDense.call` with the bias and activation in float32."""
-    if isinstance(layer, keras.layers.EinsumDense):
-        x = keras.ops.einsum(layer.equation, inputs, layer.kernel)
-    else:
-        x = keras.ops.matmul(inputs, layer.kernel)
-    x = tf.cast(x, tf.float32)
-    if layer.bias is not None:  # read in the compute dtype, as Keras adds it
-        x = keras.ops.add(x, tf.cast(layer.bias, tf.float32))
-    if layer.activation is not None:
-        x = layer.activation(x)
-    return tf.cast(x, layer.compute_dtype)
+    x = tf.cast(_dense_product(layer, inputs, layer.kernel), tf.float32)
+    return tf.cast(_dense_epilogue(layer, x), layer.compute_dtype)
 
 
 def float32_inside_call(layer: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:

@@ -27,7 +27,7 @@ from tfmixprec._common.observe import (
     policies_swapped,
     unobserved,
 )
-from tfmixprec._common.text import docs_page, markdown_table
+from tfmixprec._common.text import docs_page, first_few, markdown_table
 from tfmixprec._keras.graph import all_sublayers
 from tfmixprec._keras.settings import settings_kept
 from tfmixprec.checks.model_file import load_model_file
@@ -566,8 +566,7 @@ def _float8_emulated(context: _AuditContext) -> list[Finding]:
         return []
     ran = [id(call.layer) for call in context.observation.calls]
     quantized.sort(key=lambda layer: ran.index(id(layer)) if id(layer) in ran else len(ran))
-    shown = ", ".join(repr(layer.name) for layer in quantized[:3])
-    shown += ", ..." if len(quantized) > 3 else ""
+    shown = first_few([repr(layer.name) for layer in quantized])
     dtypes = " or ".join(sorted({context.compute_dtype(layer) for layer in quantized}))
     message = (
         f"{len(quantized)} float8 layer(s) ({shown}) run here as emulated quantize-dequantize, "
@@ -739,7 +738,7 @@ def _cpu_float16_kernels(model: keras.Model, context: _AuditContext) -> list[Fin
     slow = [(layer.name, route) for layer, route in served if route_of(layer) != route.name]
     if not slow:
         return []
-    shown = ", ".join(repr(name) for name, _ in slow[:3]) + (", ..." if len(slow) > 3 else "")
+    shown = first_few([repr(name) for name, _ in slow])
     whys = "; ".join(dict.fromkeys(route.why for _, route in slow))
     message = (
         f"on this machine (no GPU), {len(slow)} float16 layer(s) ({shown}) run TensorFlow "
@@ -766,8 +765,7 @@ def _cpu_bfloat16_kernels(model: keras.Model, context: _AuditContext) -> list[Fi
     ]
     if not served:
         return []
-    shown = ", ".join(f"{layer.name!r} ({route.name})" for layer, route in served[:3])
-    shown += ", ..." if len(served) > 3 else ""
+    shown = first_few([f"{layer.name!r} ({route.name})" for layer, route in served])
     if all(route_of(layer) == route.name for layer, route in served):
         message = f"{len(served)} bfloat16 layer(s) take a tfmixprec.cpu_bfloat16 route: {shown}."
         fix = "None needed: their outputs and saved files are as Keras makes them."
