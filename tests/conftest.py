@@ -7,6 +7,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from live_tensorboard import start_tensorboard, stop  # noqa: E402
 
 # Two logical CPUs give a real 2-replica MirroredStrategy. This must run before TensorFlow
 # initializes its devices, so it happens at import time of the test session.
@@ -33,3 +34,12 @@ def two_cpu_strategy():
     if len(devices) < 2:
         pytest.fail(f"expected 2 logical CPU devices, found {devices}")
     return tf.distribute.MirroredStrategy(devices)
+
+
+@pytest.fixture
+def tensorboard_server():
+    """A real `tensorboard` process on 127.0.0.1: call it with a log folder, get its port once
+    it serves a run with the mixed_precision tags; stopped after the test."""
+    servers = []
+    yield lambda log_dir: start_tensorboard(log_dir, servers)
+    stop(servers)

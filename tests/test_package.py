@@ -321,3 +321,22 @@ def test_the_command_modules_import_one_way():
     assert "_tfmixprec_cli" not in package
     assert "_tfmixprec_args" in _every_import(_modules()["tools.cli"])
     assert {"_tfmixprec_args", "tfmixprec.tools"} <= _every_import(ast.parse(ENTRY.read_text()))
+
+
+BOARD = PACKAGE.parent / "_tfmixprec_board"  # the "Mixed precision" tab, outside the package
+
+
+def test_the_tab_imports_no_tfmixprec_and_tfmixprec_reads_its_names():
+    """TensorBoard imports the tab's plugin in its own process: TensorBoard only, never
+    tfmixprec, TensorFlow or Keras (at any level). The writer reads the names it shares."""
+    for path in sorted(BOARD.glob("*.py")):
+        imported = {name.split(".")[0] for name in _every_import(ast.parse(path.read_text()))}
+        assert imported & {"tfmixprec", "tensorflow", "keras", "numpy"} == set(), path.name
+    readers = {
+        name for name, tree in _modules().items() if "_tfmixprec_board" in _every_import(tree)
+    }
+    assert readers == {"fit.board_events", "fit.layout", "fit.tensorboard"}
+    entry = importlib.metadata.entry_points(group="tensorboard_plugins")
+    assert [e.value for e in entry if e.name == "tfmixprec"] == [
+        "_tfmixprec_board.plugin:MixedPrecisionPlugin"
+    ]

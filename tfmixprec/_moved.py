@@ -59,7 +59,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "policy": ("precision.policy",),
     "repair": ("fit.repair",),
     "state_guard": ("scaling.state_guard",),
-    "tensorboard": ("fit.tensorboard",),
+    "tensorboard": ("fit.tensorboard", "fit.layout"),
     "testing": ("tools.testing",),
     "training": ("fit.training",),
     "unscaling": ("scaling.unscaling",),

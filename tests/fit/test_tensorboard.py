@@ -1,15 +1,9 @@
 """Tests of the TensorBoard callback: event files read back, and a live TensorBoard server."""
 
 import inspect
-import json
-import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -18,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from live_tensorboard import get_json
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
@@ -79,23 +74,23 @@ def _series(acc, tag):
 def test_every_batch_values_in_event_files(tmp_path):
     _fit(tmp_path, update_freq=1)
     acc = _events(tmp_path)
-    steps = list(range(1, 9))
+    steps = list(range(8))  # the step just taken: 0-based, skipped steps counted
     assert _series(acc, "mixed_precision/loss_scale") == list(
         zip(steps, [32768.0] * 2 + [16384.0] * 3 + [8192.0] * 3)
     )
     # Only at the overflow steps: a series of events alone, never clipped as outliers.
-    assert _series(acc, "mixed_precision/overflow") == [(3, 1.0), (6, 1.0)]
+    assert _series(acc, "mixed_precision/overflow") == [(2, 1.0), (5, 1.0)]
     assert _series(acc, "mixed_precision/overflow_steps") == list(
         zip(steps, [0.0, 0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
     )
     assert _series(acc, "mixed_precision/log2_loss_scale") == list(
         zip(steps, [15.0] * 2 + [14.0] * 3 + [13.0] * 3)
     )
-    # Each layer's overflow total, written after the intervals with overflows: steps 3 and 6.
+    # Each layer's overflow total, written after the intervals with overflows: steps 2 and 5.
     layer_tags = [t for t in acc.Tags()["tensors"] if "/layer_overflow_steps/" in t]
     assert len(layer_tags) == 2  # the Inf input reaches both Dense layers' gradients
     for tag in layer_tags:
-        assert _series(acc, tag) == [(3, 1.0), (6, 2.0)]
+        assert _series(acc, tag) == [(2, 1.0), (5, 2.0)]
     # Keras's own summaries are still there; the loss-scale values are not written twice.
     assert "epoch_loss" in acc.Tags()["tensors"]
     assert "batch_loss" in acc.Tags()["tensors"]
@@ -122,12 +117,12 @@ def test_overflow_report_and_diagnosis_as_text(tmp_path):
     assert len(set((tmp_path / "train").iterdir()) - files_before) == 1
     acc = _events(tmp_path)
     reports = _texts(acc, "mixed_precision/overflow_report")
-    assert [step for step, _ in reports] == [3, 6]
+    assert [step for step, _ in reports] == [2, 5]  # at the step it names last
     assert reports[1][1].startswith("**2 overflow steps**, last at step 5")
     assert "| layer | overflow steps | last step | variables |" in reports[1][1]
     texts = _texts(acc, "mixed_precision/diagnosis")
-    # The last global batch, then as given.
-    assert [step for step, _ in texts] == [8, 42] + list(range(100, 112))
+    # The last step taken (0-based), then as given.
+    assert [step for step, _ in texts] == [7, 42] + list(range(100, 112))
     assert texts[0][1].startswith("**bad-data**: the batch's inputs hold 1 NaN/Inf values")
     with pytest.raises(TypeError, match="diagnosis must be what tfmixprec.explain_overflow"):
         board.write_diagnosis("bad-data")
@@ -182,7 +177,7 @@ def test_only_the_chief_writes_under_a_multi_worker_strategy(
     assert len(kept) == 1 and kept[0].parts[-3].startswith("tfmixprec-tb-worker-")
     acc = event_accumulator.EventAccumulator(str(kept[0].parent), {"tensors": 0})
     acc.Reload()  # the worker wrote as usual, into its own folder
-    assert [e.step for e in acc.Tensors("mixed_precision/overflow")] == [1]
+    assert [e.step for e in acc.Tensors("mixed_precision/overflow")] == [0]
     model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[board])
     model.predict(x, batch_size=8, verbose=0, callbacks=[board])
     assert list((tmp_path / "tmp").iterdir()) == []  # its folder removed each time
@@ -196,8 +191,9 @@ def test_only_the_chief_writes_under_a_multi_worker_strategy(
 def test_update_freq_is_respected(tmp_path):
     _fit(tmp_path / "n4", update_freq=4)
     acc = _events(tmp_path / "n4")
-    assert _series(acc, "mixed_precision/overflow") == [(4, 1.0), (8, 1.0)]
-    assert _series(acc, "mixed_precision/loss_scale") == [(4, 16384.0), (8, 8192.0)]
+    # Each overflow marked at its own step (2 and 5), the values at each write (3 and 7).
+    assert _series(acc, "mixed_precision/overflow") == [(2, 1.0), (5, 1.0)]
+    assert _series(acc, "mixed_precision/loss_scale") == [(3, 16384.0), (7, 8192.0)]
     _fit(tmp_path / "epoch", epochs=2, update_freq="epoch")
     acc = _events(tmp_path / "epoch")
     assert _series(acc, "mixed_precision/overflow") == [(0, 2.0), (1, 2.0)]
@@ -207,11 +203,11 @@ def test_update_freq_is_respected(tmp_path):
 
 
 def test_overflows_after_the_last_write_are_written_at_the_end(tmp_path):
-    # update_freq=3 writes at steps 3 and 6; the overflow of batch 7 (step 8) comes after.
+    # update_freq=3 writes at steps 2 and 5; the overflow of step 7 comes after.
     _fit(tmp_path, bad_batches=(1, 7), update_freq=3)
     acc = _events(tmp_path)
-    assert _series(acc, "mixed_precision/overflow") == [(3, 1.0), (8, 1.0)]
-    assert _series(acc, "mixed_precision/overflow_steps")[-1] == (8, 2.0)
+    assert _series(acc, "mixed_precision/overflow") == [(1, 1.0), (7, 1.0)]
+    assert _series(acc, "mixed_precision/overflow_steps")[-1] == (7, 2.0)
 
 
 def _layouts(acc):
@@ -341,11 +337,11 @@ def test_gradient_monitor_summaries(tmp_path, monitor_in_fit):
     assert monitor.measured_at == [4, 8] and monitor.last_step == 8
     acc = _events(tmp_path)
     series = _series(acc, "mixed_precision/grad_underflow_fraction")
-    assert [step for step, _ in series] == [4, 8]
+    assert [step for step, _ in series] == [3, 7]  # the 4th and 8th steps, 0-based
     assert all(0.0 <= value <= 1.0 for _, value in series)
     assert series[-1][1] == callback.gradient_monitor.weight_stats.underflow_fraction
     histograms = acc.Tensors("mixed_precision/grad_log2_abs")
-    assert [e.step for e in histograms] == [4, 8]
+    assert [e.step for e in histograms] == [3, 7]
     layout = _layouts(acc)[-1]  # with the monitor's two charts, each with its data
     assert _shown(layout)[0] == ("Mixed precision", MAIN_CHARTS)
     assert _chart_tags(layout) <= set(acc.Tags()["tensors"])
@@ -425,66 +421,10 @@ def test_config_holds_parsed_values(kwargs, held):
     assert tfmixprec.TensorBoard.from_config(config).get_config() == config
 
 
-# -------------------------------------------------------------------- live server
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _get_json(port, path, params=None):
-    url = f"http://127.0.0.1:{port}{path}"
-    if params:
-        url += "?" + urllib.parse.urlencode(params)
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read())
-
-
-def _start_tensorboard(log_dir, servers):
-    """Starts `tensorboard` on a free port of 127.0.0.1 (appended to `servers`); returns the
-    port once it serves a run with the mixed_precision tags."""
-    port = _free_port()
-    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(log_dir)]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1"]
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
-    servers.append(proc)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"tensorboard exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            tags = _get_json(port, "/data/plugin/scalars/tags")
-            if any("mixed_precision/loss_scale" in run_tags for run_tags in tags.values()):
-                return port
-        except OSError:
-            pass
-        time.sleep(0.5)
-    pytest.fail("tensorboard did not serve the run within 90 s")
-
-
-@pytest.fixture
-def tensorboard_server(tmp_path):
-    """A real `tensorboard` process on 127.0.0.1, serving `tmp_path`; stopped afterwards."""
-    servers = []
-    yield lambda log_dir: _start_tensorboard(log_dir, servers)
-    for proc in servers:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def test_live_tensorboard_http_api(tmp_path, tensorboard_server):
     _fit(tmp_path / "run", update_freq=1)
     port = tensorboard_server(tmp_path)
-    tags = _get_json(port, "/data/plugin/scalars/tags")
+    tags = get_json(port, "/data/plugin/scalars/tags")
     run = "run/train"
     assert {
         "mixed_precision/loss_scale",
@@ -495,24 +435,24 @@ def test_live_tensorboard_http_api(tmp_path, tensorboard_server):
     assert "batch_loss_scale" not in tags[run]
     layer_tags = [t for t in tags[run] if t.startswith("mixed_precision/layer_overflow_steps/")]
     assert len(layer_tags) == 2
-    per_layer = _get_json(port, "/data/plugin/scalars/scalars", {"run": run, "tag": layer_tags[0]})
-    assert [(step, value) for _, step, value in per_layer] == [(3, 1.0), (6, 2.0)]
-    text_tags = _get_json(port, "/data/plugin/text/tags")
+    per_layer = get_json(port, "/data/plugin/scalars/scalars", {"run": run, "tag": layer_tags[0]})
+    assert [(step, value) for _, step, value in per_layer] == [(2, 1.0), (5, 2.0)]
+    text_tags = get_json(port, "/data/plugin/text/tags")
     assert "mixed_precision/overflow_report" in text_tags[run]
-    texts = _get_json(
+    texts = get_json(
         port, "/data/plugin/text/text", {"run": run, "tag": "mixed_precision/overflow_report"}
     )
-    assert [entry["step"] for entry in texts] == [3, 6]
+    assert [entry["step"] for entry in texts] == [2, 5]
     assert "<table>" in texts[-1]["text"]  # the markdown table, rendered
-    points = _get_json(
+    points = get_json(
         port, "/data/plugin/scalars/scalars", {"run": run, "tag": "mixed_precision/overflow"}
     )
-    assert [(step, value) for _, step, value in points] == [(3, 1.0), (6, 1.0)]
-    scale = _get_json(
+    assert [(step, value) for _, step, value in points] == [(2, 1.0), (5, 1.0)]
+    scale = get_json(
         port, "/data/plugin/scalars/scalars", {"run": run, "tag": "mixed_precision/loss_scale"}
     )
     assert [value for _, _, value in scale][-1] == 8192.0
-    layout = _get_json(port, "/data/plugin/custom_scalars/layout")
+    layout = get_json(port, "/data/plugin/custom_scalars/layout")
     assert layout["category"][0]["title"] == "Mixed precision"
 
 
@@ -530,7 +470,7 @@ def test_live_dashboard_charts_are_exact_labelled_and_not_empty(tmp_path, tensor
     model, _ = _fit(tmp_path / "run", update_freq=1)  # no gradient monitor
     port = tensorboard_server(tmp_path)
     run = "run/train"
-    layout = _get_json(port, "/data/plugin/custom_scalars/layout")
+    layout = get_json(port, "/data/plugin/custom_scalars/layout")
     layers = [row.layer for row in tfmixprec.overflow_report(model).layers]
     shown = [
         (category["title"], [chart["title"] for chart in reversed(category["chart"])])
@@ -555,7 +495,7 @@ def test_live_dashboard_charts_are_exact_labelled_and_not_empty(tmp_path, tensor
             (series,) = chart["margin"]["series"]
             assert series["value"] == series["lower"] == series["upper"]
             # What the tab asks for this chart: the run has data for it.
-            data = _get_json(
+            data = get_json(
                 port,
                 "/data/plugin/custom_scalars/scalars",
                 {"run": run, "tag": _frontend_tag_filter(chart)},
@@ -563,9 +503,9 @@ def test_live_dashboard_charts_are_exact_labelled_and_not_empty(tmp_path, tensor
             assert data["regex_valid"] and data["tag_to_events"][series["value"]], chart["title"]
             if category["title"].endswith("per layer (total)"):
                 points = data["tag_to_events"][series["value"]]
-                assert [(step, value) for _, step, value in points] == [(3, 1.0), (6, 2.0)]
+                assert [(step, value) for _, step, value in points] == [(2, 1.0), (5, 2.0)]
                 assert series["value"] == f"mixed_precision/layer_overflow_steps/{chart['title']}"
-    scale = _get_json(
+    scale = get_json(
         port,
         "/data/plugin/custom_scalars/scalars",
         {"run": run, "tag": "(mixed_precision/log2_loss_scale)"},
@@ -606,7 +546,7 @@ def test_live_float8_tags_match_the_monitor(tmp_path, tensorboard_server):
     model.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[board, monitor])
     port = tensorboard_server(tmp_path)
     run = "run/train"
-    tags = [t for t in _get_json(port, "/data/plugin/scalars/tags")[run] if "/float8/" in t]
+    tags = [t for t in get_json(port, "/data/plugin/scalars/tags")[run] if "/float8/" in t]
     stats = ("saturated_fraction", "underflow_fraction", "flushed_fraction", "scale", "amax")
     stats += ("log2_scale", "log2_amax")
     tensors = ("inputs", "kernel", "outputs_grad")
@@ -617,15 +557,16 @@ def test_live_float8_tags_match_the_monitor(tmp_path, tensorboard_server):
     for tensor in tensors:
         for stat in stats:
             tag = f"mixed_precision/float8/hidden/{tensor}/{stat}"
-            served = _get_json(port, "/data/plugin/scalars/scalars", {"run": run, "tag": tag})
-            expected = [
-                (step, float(np.float32(_stat(layers[0].tensors()[tensor], stat))))
+            served = get_json(port, "/data/plugin/scalars/scalars", {"run": run, "tag": tag})
+            expected = [  # the monitor counts the steps taken; the board writes at the
+                # 0-based number of the step just taken
+                (step - 1, float(np.float32(_stat(layers[0].tensors()[tensor], stat))))
                 for step, layers in monitor.history
             ]
             assert [(step, value) for _, step, value in served] == expected, tag
     first_read = monitor.history[0][1][0]
     assert first_read.inputs.values == 2 * BATCH * 64 and first_read.inputs.scale != 1.0
-    layout = _get_json(port, "/data/plugin/custom_scalars/layout")
+    layout = get_json(port, "/data/plugin/custom_scalars/layout")
     (float8,) = [c for c in layout["category"] if c["title"] == "Mixed precision: float8"]
     assert [chart["title"] for chart in float8["chart"]] == [
         "hidden: saturated (fraction)",

@@ -8,9 +8,10 @@ What it offers, by module (each module's `__all__`).
 from tfmixprec.fit.callbacks import LossScaleMonitor, OverflowGuard
 from tfmixprec.fit.float8_monitor import Float8Monitor
 from tfmixprec.fit.gradient_monitor import GradientRangeMonitor
+from tfmixprec.fit.layout import dashboard_layout
 from tfmixprec.fit.overflow_batches import KeptBatch, OverflowBatches
 from tfmixprec.fit.repair import PrecisionRepair, Repair
-from tfmixprec.fit.tensorboard import TensorBoard, dashboard_layout
+from tfmixprec.fit.tensorboard import TensorBoard
 from tfmixprec.fit.training import (
     MixedPrecisionFunctional,
     MixedPrecisionMixin,

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfmixprec._common.layers import float32_on_purpose
 from tfmixprec._common.validate import check_bool, check_int_at_least_one
-from tfmixprec.fit.hooks import Diagnoser
+from tfmixprec.fit.hooks import Diagnoser, record_stop
 from tfmixprec.fit.reader import FitReader
 from tfmixprec.fit.repair import repairs_of
 from tfmixprec.replay.diagnosis import OverflowDiagnosis
@@ -322,6 +322,7 @@ class OverflowGuard(keras.callbacks.Callback):
             f"run in float32 (see tfmixprec.audit(model)).{restored}"
         )
         self.model.stop_training = True
+        record_stop(self.model, step, self.stop_message)
         if self.verbose:
             print(self.stop_message)
         if self.raise_error:

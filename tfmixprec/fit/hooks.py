@@ -81,6 +81,18 @@ class Diagnoser:
         self._keeper = None
 
 
+def record_stop(model: Any, step: int, message: str) -> None:
+    """Records that `OverflowGuard` stopped training `model` at `step` (0-based, skipped steps
+    counted), for `tfmixprec.TensorBoard`'s events (a host-side list on the model)."""
+    model.__dict__["_tfmixprec_stops"] = (*stops_of(model), (step, message))
+
+
+def stops_of(model: Any) -> tuple[tuple[int, str], ...]:
+    """The `OverflowGuard` stops of `model` so far (in this process), oldest first: each
+    `(step, message)`."""
+    return tuple(vars(model).get("_tfmixprec_stops", ()))
+
+
 class FitWatch(keras.callbacks.Callback):
     """Added first to `MixedPrecisionModel.fit`'s callbacks: puts the epoch's number of overflow
     steps in the epoch logs as `overflow` (so History, CSVLogger and the progress bar show it),

@@ -1,10 +1,11 @@
-"""TensorBoard summaries of the loss scale and overflow events, and the dashboard layout."""
+"""`tfmixprec.TensorBoard`: the summaries of the loss scale, the overflows and the events of
+a run (diagnoses, repairs, stops) that the "Mixed precision" tab shows, and the custom-scalars
+layout (`fit/layout.py`) for a TensorBoard without the tab."""
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -13,18 +14,19 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
+from _tfmixprec_board import names
 from tfmixprec._keras.fit import (
     tensorboard_batch_work,
     tensorboard_log_dir,
-    tensorboard_step,
     tensorboard_writer,
 )
+from tfmixprec.fit.board_events import diagnosis_event, repair_event, write_event
 from tfmixprec.fit.float8_monitor import Float8Reader
 from tfmixprec.fit.gradient_monitor import GradientRangeMonitor
-from tfmixprec.fit.hooks import Diagnoser
+from tfmixprec.fit.hooks import Diagnoser, stops_of
+from tfmixprec.fit.layout import FLOAT8_STATS, PREFIX, TAGS, dashboard_layout
 from tfmixprec.fit.reader import FitReader
 from tfmixprec.fit.repair import repairs_of
 from tfmixprec.precision.float8 import Float8TensorStats, float8_stats
@@ -32,156 +34,7 @@ from tfmixprec.replay.diagnosis import OverflowDiagnosis
 from tfmixprec.scaling.attribution import OverflowReport, overflow_report
 from tfmixprec.scaling.loss_scale import LOG_KEYS
 
-__all__ = ["TensorBoard", "dashboard_layout"]  # what the package exports
-
-PREFIX = "mixed_precision"
-LAYOUT_TITLE = "Mixed precision"
-TAGS = {
-    "loss_scale": f"{PREFIX}/loss_scale",
-    "log2_loss_scale": f"{PREFIX}/log2_loss_scale",
-    "overflow": f"{PREFIX}/overflow",
-    "overflow_steps": f"{PREFIX}/overflow_steps",
-    "grad_underflow_fraction": f"{PREFIX}/grad_underflow_fraction",
-    "grad_subnormal_fraction": f"{PREFIX}/grad_subnormal_fraction",
-    "grad_log2_abs": f"{PREFIX}/grad_log2_abs",
-    "layer_overflow_steps": f"{PREFIX}/layer_overflow_steps",  # + "/<layer>"
-    "overflow_report": f"{PREFIX}/overflow_report",  # text
-    "diagnosis": f"{PREFIX}/diagnosis",  # text
-    "repairs": f"{PREFIX}/repairs",  # text, at each PrecisionRepair repair's step
-    "repaired_layers": f"{PREFIX}/repaired_layers",  # layers moved to float32, in all
-    "float8": f"{PREFIX}/float8",  # + "/<layer>/<tensor>/<stat>", see FLOAT8_STATS
-}
-# What is written per float8 layer and quantized tensor (inputs, kernel, outputs_grad), each
-# over the interval since the last write, and the title of the chart each goes to (None: not
-# charted; the scale and the amax are charted as log2, where the three tensors' scales, which
-# lie orders of magnitude apart, can be told apart).
-FLOAT8_STATS = {
-    "saturated_fraction": "saturated (fraction)",
-    "underflow_fraction": "zero once quantized (fraction)",
-    "flushed_fraction": "non-zero values flushed to zero (fraction)",
-    "log2_scale": "scale (log2)",
-    "log2_amax": "amax (log2)",
-    "scale": None,
-    "amax": None,
-}
-FLOAT8_TITLE = f"{LAYOUT_TITLE}: float8"
-LAYERS_TITLE = f"{LAYOUT_TITLE}: overflow steps per layer (total)"  # one chart a layer
-
-
-def _exact(title: str, tag: str) -> layout_pb2.Chart:
-    """A chart of `tag` (an exact name) drawn as written: a margin chart whose margins are the
-    value itself. TensorBoard's Custom Scalars tab smooths multiline charts (0.6 by default,
-    which turns each step of the loss scale or of a count into a curve) but never a margin
-    chart: its smoothing setting is not passed to them."""
-    series = layout_pb2.MarginChartContent.Series(value=tag, lower=tag, upper=tag)
-    return layout_pb2.Chart(title=title, margin=layout_pb2.MarginChartContent(series=[series]))
-
-
-def _shown_in_order(charts: list[layout_pb2.Chart]) -> list[layout_pb2.Chart]:
-    """`charts` (all margin charts) as the layout must list them for TensorBoard to show them
-    in this order: its Custom Scalars tab stacks a category's margin charts last first."""
-    return charts[::-1]
-
-
-def dashboard_layout(
-    *,
-    per_batch: bool = True,
-    loss_scale: bool = True,
-    gradient_range: bool = True,
-    layers: Sequence[str] = (),
-    repairs: bool = False,
-    float8_layers: Sequence[str] = (),
-) -> layout_pb2.Layout:
-    """The custom-scalars layout: loss next to loss scale, overflow events, gradient range.
-
-    Every chart shows one tag as written, never smoothed (a margin chart, which TensorBoard
-    does not smooth), one line a run: its title says what it is. The flags leave out the
-    charts of tags a run does not write: `tfmixprec.TensorBoard` writes the layout at train
-    begin with what it will write, and again with `layers` when a layer overflows for the
-    first time.
-
-    Shown in this order (the layout lists each category's charts last first, the order
-    TensorBoard stacks margin charts in): category "Mixed precision": "Loss (per batch)"
-    (`per_batch`; else "Loss (per epoch)" first), "Loss scale (log2)", "Overflow events
-    (skipped steps)" (`loss_scale`), "Loss (per epoch)", "Overflow steps (total)"
-    (`loss_scale`), "Gradients below float16's range (fraction)", "Gradients in float16's
-    subnormal range (fraction)" (`gradient_range`); with `layers`, category "Mixed precision:
-    overflow steps per layer (total)": one chart a layer, titled with its name; with
-    `float8_layers`, category "Mixed precision: float8": per layer, one chart a statistic
-    ("<layer>: saturated (fraction)", ..., "<layer>: amax (log2)", see `FLOAT8_STATS`), a
-    line per quantized tensor.
-
-    Args:
-        per_batch: Bool. Whether the run writes per-batch summaries (`update_freq` not
-            `"epoch"`): the per-batch loss chart.
-        loss_scale: Bool. Whether the model has loss scaling: the loss-scale and overflow
-            charts.
-        gradient_range: Bool. Whether a `GradientRangeMonitor` is driven: its two charts.
-        layers: Sequence of layer names. A chart of `mixed_precision/layer_overflow_steps/<layer>`
-            each, in this order.
-        repairs: Bool. Whether `PrecisionRepair` repaired the run: a chart "Layers moved to
-            float32 by PrecisionRepair (total)" last in "Mixed precision".
-        float8_layers: Sequence of layer paths. The model's float8 layers: their charts of
-            `mixed_precision/float8/<layer>/<tensor>/<statistic>`.
-
-    Returns:
-        A `tensorboard.plugins.custom_scalar.layout_pb2.Layout`.
-    """
-    loss = {
-        "batch": _exact("Loss (per batch)", "batch_loss"),
-        "epoch": _exact("Loss (per epoch)", "epoch_loss"),
-    }
-    charts = [loss["batch" if per_batch else "epoch"]]
-    if loss_scale:
-        charts.append(_exact("Loss scale (log2)", TAGS["log2_loss_scale"]))
-        charts.append(_exact("Overflow events (skipped steps)", TAGS["overflow"]))
-    if per_batch:
-        charts.append(loss["epoch"])
-    if loss_scale:
-        charts.append(_exact("Overflow steps (total)", TAGS["overflow_steps"]))
-    if gradient_range:
-        charts.append(
-            _exact("Gradients below float16's range (fraction)", TAGS["grad_underflow_fraction"])
-        )
-        charts.append(
-            _exact(
-                "Gradients in float16's subnormal range (fraction)",
-                TAGS["grad_subnormal_fraction"],
-            )
-        )
-    if repairs:
-        title = "Layers moved to float32 by PrecisionRepair (total)"
-        charts.append(_exact(title, TAGS["repaired_layers"]))
-    return layout_pb2.Layout(category=_categories(charts, layers, float8_layers))
-
-
-def _categories(
-    charts: list[layout_pb2.Chart], layers: Sequence[str], float8_layers: Sequence[str]
-) -> list[layout_pb2.Category]:
-    """The layout's categories: "Mixed precision" (`charts`), then the per-layer overflow
-    charts and the float8 charts when there are any."""
-    categories = [layout_pb2.Category(title=LAYOUT_TITLE, chart=_shown_in_order(charts))]
-    if layers:
-        per_layer = [_exact(layer, f"{TAGS['layer_overflow_steps']}/{layer}") for layer in layers]
-        categories.append(layout_pb2.Category(title=LAYERS_TITLE, chart=_shown_in_order(per_layer)))
-    if float8_layers:
-        float8 = _float8_charts(float8_layers)
-        categories.append(layout_pb2.Category(title=FLOAT8_TITLE, chart=float8))
-    return categories
-
-
-def _float8_charts(layers: Sequence[str]) -> list[layout_pb2.Chart]:
-    """Per float8 layer, one chart a statistic, with a line per quantized tensor (the tags
-    matched by a regular expression: TensorBoard smooths these, unlike the margin charts)."""
-    charts = []
-    for layer in layers:
-        for stat, title in FLOAT8_STATS.items():
-            if title is None:
-                continue
-            tags = f"^{re.escape(TAGS['float8'])}/{re.escape(layer)}/[a-z_]+/{stat}$"
-            lines = layout_pb2.MultilineChartContent(tag=[tags])
-            charts.append(layout_pb2.Chart(title=f"{layer}: {title}", multiline=lines))
-    return charts
+__all__ = ["TensorBoard"]  # what the package exports
 
 
 def _write_float8(board: TensorBoard, step: int) -> None:
@@ -382,6 +235,11 @@ class TensorBoard(_ChiefWrites):
         self._grad_measured_at: int | None = None
         self._epoch = 0
         self._diagnosis_writer: tuple[str, Any] | None = None  # (its directory, the writer)
+        self._stops_written = 0
+        # From Keras's logs, host numbers (never a device read): the overflow steps flagged
+        # since the last write, and the last step's loss.
+        self._flagged: list[int] = []
+        self._loss: float | None = None
         self._repairs_written = 0
         self.diagnose = diagnose
         self._diagnoser = diagnoser
@@ -424,6 +282,8 @@ class TensorBoard(_ChiefWrites):
     def on_train_begin(self, logs: dict | None = None) -> None:
         opt = self._reader.train_begin()
         self._repairs_written = len(repairs_of(self.model))  # earlier fits' are written
+        self._stops_written = len(stops_of(self.model))
+        self._flagged, self._loss = [], None
         super().on_train_begin(logs)
         self._float8.start(self.model)
         self._float8_layers = [s.layer for s in float8_stats(self.model)]
@@ -431,12 +291,14 @@ class TensorBoard(_ChiefWrites):
         if self.gradient_monitor is not None:
             self.gradient_monitor.on_train_begin(logs)
         _write_layout(self, step=0)
+        _write_start(self, opt)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._diagnoser.stop(self.model)
         _write_repairs(self)
         if self.update_freq != "epoch":  # overflows after the last write: written now
-            self._write(tensorboard_step(self), only_new_overflows=True)
+            self._write(only_new_overflows=True)
+        _write_stops(self)
         super().on_train_end(logs)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
@@ -444,17 +306,18 @@ class TensorBoard(_ChiefWrites):
             super().on_train_batch_end(batch, _without_loss_scale(logs))
         # else: with update_freq="epoch", Keras's callback would only issue per-batch
         # summaries that its writer discards (about 0.1 ms each, every batch): skipped.
-        for _, diagnosis in self._diagnoser.new(self.model):
-            self.write_diagnosis(diagnosis, _current_step(self))
+        _note_step(self, logs)
+        for step, diagnosis in self._diagnoser.new(self.model):
+            self.write_diagnosis(diagnosis, step)
         _write_repairs(self)
         measured = False
         if self.gradient_monitor is not None:
             logs = logs if isinstance(logs, dict) else None
             measured = self.gradient_monitor.step(logs, batch)
         if self.update_freq != "epoch" and self._reader.due(batch):
-            self._write(tensorboard_step(self))
+            self._write()
         elif measured and self.update_freq != "epoch":
-            self._write_gradients(tensorboard_step(self))
+            self._write_gradients(_step_now(self))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_begin(epoch, logs)
@@ -467,45 +330,43 @@ class TensorBoard(_ChiefWrites):
         self._reader.epoch_end(logs)
         super().on_epoch_end(epoch, _without_loss_scale(logs))
         if self.update_freq == "epoch":
+            self._loss = _host_number((logs or {}).get("loss"))
             self._write(epoch)
 
-    def _write(self, step: int, only_new_overflows: bool = False) -> None:
-        """Writes the loss-scale values at `step`, and the overflows since the last write
-        (`only_new_overflows`: nothing unless there were some)."""
-        if not only_new_overflows:
-            _write_float8(self, step)
+    def _write(self, epoch: int | None = None, only_new_overflows: bool = False) -> None:
+        """Writes the loss-scale values and the overflows since the last write (with
+        `only_new_overflows`: nothing unless there were some), at the step just taken (0-based,
+        skipped steps counted) or at `epoch` with `update_freq="epoch"`."""
         if self._reader.optimizer is None:  # no loss scaling: only the gradient range
+            step = _step_now(self) if epoch is None else epoch
+            if not only_new_overflows:
+                _write_float8(self, step)
             self._write_gradients(step)
             return
         state, before = self._reader.read()
-        total = state["overflow_steps"]
-        events = float(total - before["overflow_steps"])  # overflows in this interval
+        step = state["step"] - 1 if epoch is None else epoch
+        events = int(state["overflow_steps"] - before["overflow_steps"])  # in this interval
         if only_new_overflows and not events:
             return
+        if not only_new_overflows:
+            _write_float8(self, step)
         with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
-            tf.summary.scalar(TAGS["loss_scale"], state["loss_scale"], step=step)
-            tf.summary.scalar(TAGS["log2_loss_scale"], math.log2(state["loss_scale"]), step=step)
-            tf.summary.scalar(TAGS["overflow_steps"], float(total), step=step)
+            _write_state(self, state, step)
             if events:
-                # Written only here, never as 0: a chart of events alone is never clipped
-                # by TensorBoard's "ignore outliers" (on by default), which hides rare 1s.
-                tf.summary.scalar(TAGS["overflow"], events, step=step)
-                report = overflow_report(self.model)
-                for row in report.layers:
-                    tag = f"{TAGS['layer_overflow_steps']}/{row.layer}"
-                    tf.summary.scalar(tag, float(row.overflow_steps), step=step)
-                tf.summary.text(TAGS["overflow_report"], report.to_markdown(), step=step)
-                _write_layout(self, step, report)  # if a layer has no chart yet
+                _write_overflows(self, state, before, step, epoch is not None)
+        _write_min_scale(self, state, before)
         self._write_gradients(step)
 
     def write_diagnosis(self, diagnosis: OverflowDiagnosis, step: int | None = None) -> None:
-        """Writes an `explain_overflow` result as a text summary (its markdown table) under
-        `mixed_precision/diagnosis`, so TensorBoard's Text tab shows it at its step.
+        """Writes an `explain_overflow` result at its step: a text summary (its markdown
+        table) under `mixed_precision/diagnosis`, which TensorBoard's Text tab shows, and an
+        event of the "Mixed precision" tab (cause, layer, value, message).
 
         Args:
             diagnosis: `OverflowDiagnosis`. What `tfmixprec.explain_overflow` returned.
-            step: Int or None. The step to show it at; None: the global batch the callback
-                is at (the epoch with `update_freq="epoch"`).
+            step: Int or None. The step to show it at (the overflow step replayed: 0-based,
+                skipped steps counted); None: the last step taken (the epoch with
+                `update_freq="epoch"`).
 
         Raises:
             TypeError: If `diagnosis` is not an `OverflowDiagnosis`.
@@ -518,13 +379,9 @@ class TensorBoard(_ChiefWrites):
         if self.model is not None and not _writes_summaries(self.model):
             return  # a worker other than the chief: the chief writes its own diagnosis
         if step is None:
-            step = _current_step(self)
-        # Its own writer into the run's train directory: Keras closes its writers when
-        # training ends, and a diagnosis usually comes after an overflow, often after `fit`.
-        # One writer (one event file) for all of this callback's diagnoses: event files
-        # opened in the same second sort by a per-process counter as text ("...10.v2" before
-        # "...9.v2"), so a new file per diagnosis could be read back out of order.
+            step = self._epoch if self.update_freq == "epoch" else _step_now(self)
         _write_text(self, TAGS["diagnosis"], diagnosis.to_markdown(), step)
+        write_event(_own_writer(self), names.DIAGNOSIS, step, diagnosis_event(diagnosis))
 
     def _write_gradients(self, step: int) -> None:
         monitor = self.gradient_monitor
@@ -550,17 +407,118 @@ class TensorBoard(_ChiefWrites):
         tensorboard_writer(self).flush()
 
 
-def _current_step(callback: TensorBoard) -> int:
-    """The step a write goes to: the epoch with `update_freq="epoch"`, else Keras's global
-    batch counter."""
-    if callback.update_freq == "epoch":
-        return callback._epoch
-    return tensorboard_step(callback)
+def _host_number(value: Any) -> float | None:
+    """`value` if Keras's logs hold it as a host number (they do once Keras has read them,
+    before any callback), else None: a tensor is never read here."""
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _note_step(board: TensorBoard, logs: dict | None) -> None:
+    """From each batch's logs (host numbers Keras already read; nothing read from the
+    device): the loss, and the step's number when the step overflowed (`overflow` is 1 when
+    the step just taken was skipped, `step` the number of steps taken), so that each
+    overflow step is marked at its own step, not at the next write."""
+    logs = logs if isinstance(logs, dict) else {}
+    board._loss = _host_number(logs.get("loss"))
+    flag, taken = _host_number(logs.get("overflow")), _host_number(logs.get("step"))
+    if board.update_freq != "epoch" and flag and taken is not None:
+        board._flagged.append(int(taken) - 1)
+
+
+def _step_now(board: TensorBoard) -> int:
+    """The 0-based number of the step just taken, skipped steps counted (one host read)."""
+    optimizer = board._reader.optimizer
+    if optimizer is not None:
+        return int(optimizer.read_state()["step"]) - 1
+    return int(board.model.optimizer.iterations.numpy()) - 1
+
+
+def _write_state(board: TensorBoard, state: dict[str, Any], step: int) -> None:
+    """The loss scale, its log2, the overflow total and the loss at `step` (inside a
+    writer's default)."""
+    tf.summary.scalar(TAGS["loss_scale"], state["loss_scale"], step=step)
+    tf.summary.scalar(TAGS["log2_loss_scale"], math.log2(state["loss_scale"]), step=step)
+    tf.summary.scalar(TAGS["overflow_steps"], float(state["overflow_steps"]), step=step)
+    if board._loss is not None and math.isfinite(board._loss):
+        tf.summary.scalar(TAGS["loss"], board._loss, step=step)
+
+
+def _write_overflows(
+    board: TensorBoard, state: dict[str, Any], before: dict[str, Any], step: int, epochs: bool
+) -> None:
+    """The overflows of the interval since `before` (inside a writer's default): a marker at
+    each overflow step (`overflow`: how many steps it stands for; never 0), each layer's
+    total, the overflow report's text, and a layout chart for a layer new to it."""
+    events = int(state["overflow_steps"] - before["overflow_steps"])
+    for at, count in _markers(board, state, before, events, step if epochs else None).items():
+        tf.summary.scalar(TAGS["overflow"], float(count), step=at)
+    report = overflow_report(board.model)
+    for row in report.layers:
+        tag = f"{TAGS['layer_overflow_steps']}/{row.layer}"
+        tf.summary.scalar(tag, float(row.overflow_steps), step=step)
+    tf.summary.text(TAGS["overflow_report"], report.to_markdown(), step=step)
+    _write_layout(board, step, report)  # if a layer has no chart yet
+
+
+def _markers(
+    board: TensorBoard, state: dict, before: dict, events: int, epoch: int | None
+) -> dict[int, int]:
+    """`{step: overflow steps}` for the interval's `events` overflows: each step the logs
+    flagged, and the rest (several steps run between two reads, e.g. with
+    `steps_per_execution > 1`, where only the last one's number is known) counted at the
+    last overflow step; with `update_freq="epoch"`, all at the `epoch`."""
+    if epoch is not None:
+        return {epoch: events}
+    flagged = [s for s in board._flagged if before["step"] <= s < state["step"]][:events]
+    board._flagged = []
+    markers = {s: 1 for s in flagged}
+    if events > len(flagged):
+        last = state["last_overflow_step"]
+        markers[last] = markers.get(last, 0) + events - len(flagged)
+    return dict(sorted(markers.items()))
+
+
+def _write_min_scale(board: TensorBoard, state: dict[str, Any], before: dict[str, Any]) -> None:
+    """An event for overflow steps at `min_scale` in the interval: lowering the scale cannot
+    help them."""
+    count = state["min_scale_overflows"] - before["min_scale_overflows"]
+    if count <= 0 or not _writes_summaries(board.model):
+        return
+    optimizer = board._reader.optimizer
+    message = (
+        f"{count} overflow step(s) at min_scale={optimizer.min_scale:g}, where lowering the "
+        "loss scale cannot help: NaN/Inf in the inputs or labels, a learning rate that is too "
+        "high, or a layer that must compute in float32."
+    )
+    payload = {"count": count, "min_scale": optimizer.min_scale, "message": message}
+    write_event(tensorboard_writer(board), names.MIN_SCALE, state["last_overflow_step"], payload)
+
+
+def _write_start(board: TensorBoard, optimizer: Any) -> None:
+    """The event that starts a run's part of the tab (and makes the tab active): the step
+    axis, the model's policy and its loss scaling."""
+    if not _writes_summaries(board.model):
+        return
+    state = optimizer.read_state() if optimizer is not None else None
+    epochs = board.update_freq == "epoch"
+    step = board._epoch if epochs else (_step_now(board) + 1)
+    payload = {
+        "axis": "epoch" if epochs else "step",
+        "model": board.model.name,
+        "policy": board.model.dtype_policy.name,
+        "loss_scale": None if state is None else state["loss_scale"],
+        "dynamic": None if optimizer is None else optimizer.dynamic,
+        "update_freq": board.update_freq,
+    }
+    write_event(tensorboard_writer(board), names.START, step, payload)  # Keras's, open now
 
 
 def _write_repairs(board: TensorBoard) -> None:
-    """Each `PrecisionRepair` repair made since the last call, as a text at its step (a
-    host-side list: nothing read from the device)."""
+    """Each `PrecisionRepair` repair made since the last call, at its step: a text, the total
+    of layers moved, and an event of the tab (a host-side list: nothing read from the
+    device)."""
     repairs = repairs_of(board.model)
     if len(repairs) == board._repairs_written or not _writes_summaries(board.model):
         return  # nothing new (every batch: a tuple's length, nothing more)
@@ -569,19 +527,37 @@ def _write_repairs(board: TensorBoard) -> None:
         _write_text(board, TAGS["repairs"], repair.to_markdown(), repair.step)
         moved = float(sum(len(r.layers) for r in repairs[:done]))
         _write_text(board, TAGS["repaired_layers"], moved, repair.step)
+        write_event(_own_writer(board), names.REPAIR, repair.step, repair_event(repair))
     charted = bool(board._repairs_written)
     board._repairs_written = len(repairs)
     if new and not charted:
         _write_layout(board, new[0].step)
 
 
-def _write_text(board: TensorBoard, tag: str, text: str | float, step: int) -> None:
-    """A text (or, for a number, a scalar) summary into the run's train directory, through the
-    callback's own writer (Keras's are closed when training ends)."""
+def _write_stops(board: TensorBoard) -> None:
+    """Each `OverflowGuard` stop of this fit, as an event at the last step taken."""
+    stops = stops_of(board.model)
+    if not _writes_summaries(board.model):
+        return
+    for step, message in stops[board._stops_written :]:
+        write_event(_own_writer(board), names.GUARD_STOP, max(step - 1, 0), {"message": message})
+    board._stops_written = len(stops)
+
+
+def _own_writer(board: TensorBoard) -> Any:
+    """The callback's own writer into the run's train directory: Keras closes its writers
+    when training ends, and a diagnosis often comes after `fit`. One writer (one event file)
+    for all of them: event files opened in the same second sort by a per-process counter as
+    text ("...10.v2" before "...9.v2"), so a new file each time could be read out of order."""
     log_dir = os.path.join(board.log_dir, "train")
     if board._diagnosis_writer is None or board._diagnosis_writer[0] != log_dir:
         board._diagnosis_writer = (log_dir, tf.summary.create_file_writer(log_dir))
-    writer = board._diagnosis_writer[1]
+    return board._diagnosis_writer[1]
+
+
+def _write_text(board: TensorBoard, tag: str, text: str | float, step: int) -> None:
+    """A text (or, for a number, a scalar) summary with the callback's own writer."""
+    writer = _own_writer(board)
     with writer.as_default(), tf.summary.record_if(True):
         if isinstance(text, str):
             tf.summary.text(tag, text, step=step)
