@@ -174,17 +174,22 @@ def _check_arguments(log_dir: Any, gradient_monitor: Any, update_freq: Any) -> N
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
 class TensorBoard(_ChiefWrites):
-    """`keras.callbacks.TensorBoard` plus loss-scale and overflow summaries.
+    """`keras.callbacks.TensorBoard` plus loss-scale and overflow summaries, and the events
+    of TensorBoard's "Mixed precision" tab.
 
     Everything Keras's callback writes is still written, except the loss-scale values of the
     logs, which are written once, here, under `mixed_precision/`. At each write (every
     `update_freq` steps, or at epoch end with `update_freq="epoch"`): `loss_scale`,
-    `log2_loss_scale`, `overflow_steps` (total); after an interval with overflows, `overflow`
-    (their number, never written as 0, so TensorBoard's outlier setting cannot hide one),
+    `log2_loss_scale`, `overflow_steps` (total) and `loss`; after an interval with overflows,
+    `overflow` at each overflow step (how many steps it stands for: 1 where the step is known
+    exactly; never written as 0, so TensorBoard's outlier setting cannot hide one),
     `layer_overflow_steps/<layer>` and an `overflow_report` text; with a
-    `GradientRangeMonitor`, the gradient-range fractions and a log2|g| histogram. It also
-    writes the "Mixed precision" custom-scalars layout. Batches where it does not write cost
-    no host sync; the step axis is the global batch (the epoch with `"epoch"`).
+    `GradientRangeMonitor`, the gradient-range fractions and a log2|g| histogram. The "Mixed
+    precision" tab's events (the fit's start, diagnoses, repairs, overflows at `min_scale`,
+    `OverflowGuard` stops) and the "Mixed precision" custom-scalars layout too. Batches where
+    it does not write cost no host sync; the step axis is the 0-based number of the step
+    just taken, skipped steps counted, as in every tfmixprec message (the epoch with
+    `"epoch"`).
 
     Under a multi-worker strategy only the chief writes (every worker may pass the same
     `log_dir`). `get_config()` holds every argument of Keras's callback but
