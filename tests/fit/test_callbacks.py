@@ -202,13 +202,38 @@ def test_guard_checks_every_update_freq_batches(update_freq, stopped_step):
 
 
 @pytest.mark.parametrize(
+    "update_freq, reports",
+    [
+        ("batch", ["overflow at step 2", "overflow at step 5"]),  # as update_freq=1
+        ("epoch", ["2 overflows in steps 0-7, the last at step 5"]),  # once, at epoch end
+        (4, ["overflow at step 2", "overflow at step 5"]),
+    ],
+)
+def test_monitor_update_freq_as_keras_tensorboard_takes_it(update_freq, reports):
+    model = _model()
+    monitor = LossScaleMonitor(update_freq=update_freq)
+    x, y = _data(bad_batches=(2, 5))
+    history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+    assert [line.split(" (0-based")[0] for line in monitor.events] == reports
+    assert history.history["overflow"] == [2.0]  # the epoch's overflow steps, whichever
+    config = monitor.get_config()
+    assert config["update_freq"] == update_freq
+    assert LossScaleMonitor.from_config(config).get_config() == config
+
+
+@pytest.mark.parametrize(
     "cls, kwargs, match",
     [
         (LossScaleMonitor, dict(verbose=2), r"verbose must be 0 or 1.*verbose=2"),
         (
             LossScaleMonitor,
             dict(update_freq=0),
-            r"^update_freq must be an integer >= 1. Received: update_freq=0$",
+            r'^update_freq must be "epoch", "batch" or an integer >= 1. Received: update_freq=0$',
+        ),
+        (
+            LossScaleMonitor,
+            dict(update_freq="steps"),
+            r"^update_freq must be .* Received: update_freq='steps'$",
         ),
         (OverflowGuard, dict(patience=0), r"patience must be an integer >= 1.*patience=0"),
         (OverflowGuard, dict(max_consecutive=-1), r"max_consecutive=-1"),

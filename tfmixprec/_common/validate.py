@@ -34,6 +34,20 @@ def check_int_at_least_one(name: str, value: Any) -> int:
     return int(value)
 
 
+def check_update_freq(value: Any) -> str | int:
+    """Returns a callback's `update_freq` as Keras's `TensorBoard` takes it: `"epoch"`,
+    `"batch"`, or an int >= 1 (an integral float as an int)."""
+    if value in ("epoch", "batch") and isinstance(value, str):
+        return value
+    try:
+        return check_int_at_least_one("update_freq", value)
+    except ValueError:
+        raise ValueError(
+            'update_freq must be "epoch", "batch" or an integer >= 1. '
+            f"Received: update_freq={value!r}"
+        ) from None
+
+
 def check_float32_scale(name: str, value: Any) -> float:
     """Returns `value` as a float if it is a finite, positive float32 normal number."""
     if not is_number(value) or not (FLOAT32_TINY <= value <= FLOAT32_MAX):

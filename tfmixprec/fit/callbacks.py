@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._common.layers import float32_on_purpose
-from tfmixprec._common.validate import check_bool, check_int_at_least_one
+from tfmixprec._common.validate import check_bool, check_int_at_least_one, check_update_freq
 from tfmixprec.fit.hooks import Diagnoser, record_stop
 from tfmixprec.fit.reader import FitReader
 from tfmixprec.fit.repair import repairs_of
@@ -54,11 +54,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     Args:
         verbose: Int. 0 (silent) or 1 (print overflow events).
-        update_freq: Int. Batches between reports (the only host reads it makes).
+        update_freq: `"epoch"`, `"batch"` or Int, as for `keras.callbacks.TensorBoard`:
+            report at each epoch's end only, after every batch, or every that many batches
+            (the only host reads it makes).
         diagnose: Int >= 0. Overflow steps to replay per `fit` (0: none).
 
     Raises:
-        ValueError: If `verbose` is not 0 or 1, `update_freq` is not an integer >= 1, or
+        ValueError: If `verbose` is not 0 or 1, `update_freq` is not `"epoch"`, `"batch"`
+            or an integer >= 1, or
             `diagnose` is not an integer >= 0.
 
     Example:
@@ -66,17 +69,18 @@ class LossScaleMonitor(keras.callbacks.Callback):
     >>> model.fit(x, y, callbacks=[tfmixprec.LossScaleMonitor(verbose=1)])
     """
 
-    def __init__(self, verbose: int = 0, update_freq: int = 100, diagnose: int = 0) -> None:
+    def __init__(self, verbose: int = 0, update_freq: int | str = 100, diagnose: int = 0) -> None:
         super().__init__()
         if verbose not in (0, 1):
             raise ValueError(f"verbose must be 0 or 1. Received: verbose={verbose!r}")
         self.verbose = verbose
-        self.update_freq = check_int_at_least_one("update_freq", update_freq)
+        self.update_freq = check_update_freq(update_freq)
         self.diagnose = diagnose
         self._diagnoser = Diagnoser(diagnose, "LossScaleMonitor")
         self.diagnoses: list[tuple[int, OverflowDiagnosis]] = []
         self.events: list[str] = []
-        self._reader = FitReader("LossScaleMonitor", self.update_freq)
+        every = self.update_freq if isinstance(self.update_freq, int) else 1
+        self._reader = FitReader("LossScaleMonitor", every)
         self._snapshot: Any = None
         self._snapshot_of: Any = None
 
@@ -109,7 +113,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
         opt = self._reader.optimizer
-        due = self._reader.due(batch)
+        due = self._reader.due(batch) and self.update_freq != "epoch"
         if opt is None:
             return  # no loss scaling: nothing to add or report
         if not all(key in logs for key in LOG_KEYS):

@@ -17,6 +17,7 @@ import tensorflow as tf
 from tensorboard.plugins.custom_scalar import summary as custom_scalar_summary
 
 from _tfmixprec_board import names
+from tfmixprec._common.validate import check_update_freq
 from tfmixprec._keras.fit import (
     tensorboard_batch_work,
     tensorboard_log_dir,
@@ -163,13 +164,7 @@ def _check_arguments(log_dir: Any, gradient_monitor: Any, update_freq: Any) -> N
             "gradient_monitor must be a tfmixprec.GradientRangeMonitor. Received: "
             f"gradient_monitor of type {type(gradient_monitor).__name__}"
         )
-    if update_freq not in ("epoch", "batch") and (
-        isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
-    ):
-        raise ValueError(
-            'update_freq must be "epoch", "batch" or an integer >= 1. '
-            f"Received: update_freq={update_freq!r}"
-        )
+    check_update_freq(update_freq)
 
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
