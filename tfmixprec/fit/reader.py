@@ -41,6 +41,12 @@ class FitReader:
         """The model's tfmixprec `LossScaleOptimizer`, or None (no loss scaling)."""
         return loss_scaling_of(self.model)
 
+    @property
+    def last(self) -> dict[str, Any] | None:
+        """The optimizer's state at the last read (`train_begin`'s, then `read`'s), or None
+        without loss scaling: no read of its own."""
+        return self._last
+
     def set_model(self, model: Any) -> None:
         """From the callback's `set_model`: adopts Keras's `LossScaleOptimizer` before any
         callback's `on_train_begin` (a `BackupAndRestore` anywhere in the list restores into

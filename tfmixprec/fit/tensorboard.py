@@ -501,9 +501,12 @@ def _write_start(board: TensorBoard, optimizer: Any) -> None:
     axis, the model's policy and its loss scaling."""
     if not _writes_summaries(board.model):
         return
-    state = optimizer.read_state() if optimizer is not None else None
+    state = board._reader.last if optimizer is not None else None  # train_begin's read
     epochs = board.update_freq == "epoch"
-    step = board._epoch if epochs else (_step_now(board) + 1)
+    if epochs:
+        step = board._epoch
+    else:  # the next step's number
+        step = state["step"] if state else int(board.model.optimizer.iterations.numpy())
     payload = {
         "axis": "epoch" if epochs else "step",
         "model": board.model.name,
