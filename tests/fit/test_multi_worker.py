@@ -127,9 +127,10 @@ def test_tensorboard_writes_on_the_chief_only(fit_run):
         return [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
 
     scales = series("mixed_precision/loss_scale")
-    assert [step for step, _ in scales] == list(range(1, 2 * fit_worker.STEPS + 1))
+    # At the 0-based number of the step just taken (skipped steps counted), over both fits.
+    assert [step for step, _ in scales] == list(range(2 * fit_worker.STEPS))
     assert scales[-1][1] == first["state"]["loss_scale"]
-    overflow_at = [fit_worker.INF_STEP + 1, fit_worker.STEPS + fit_worker.INF_STEP + 1]
+    overflow_at = [fit_worker.INF_STEP, fit_worker.STEPS + fit_worker.INF_STEP]
     assert series("mixed_precision/overflow") == [(step, 1.0) for step in overflow_at]
 
 

@@ -181,7 +181,7 @@ def test_callbacks_tensorboard_and_the_overflow_report(tmp_path, jit_compile):
         )
         assert callbacks[1].stopped_step is None
     assert seen[False] == seen[jit_compile]
-    assert seen[False][3] == [(3, 1.0), (6, 1.0)]
+    assert seen[False][3] == [(2, 1.0), (5, 1.0)]  # at the overflow steps, 0-based
     assert seen[False][4] == [("first", 2, 5), ("second", 2, 5)]
 
 
