@@ -19,9 +19,11 @@ from tensorboard.backend.event_processing import data_provider, plugin_event_mul
 import tfmixprec
 from _tfmixprec_board import names, plugin
 from tfmixprec.fit.board_events import diagnosis_event, repair_event
+from tfmixprec.fit.layout import FLOAT8_STATS
 from tfmixprec.fit.repair import repairs_of
 
 STORY, STOP, KERAS = "story/train", "stopped/train", "keras_board/train"
+FLOAT8 = "float8/train"
 
 
 def _story(log_dir):
@@ -37,15 +39,18 @@ def _story(log_dir):
 
 
 def _stopped(log_dir):
-    """A plain `keras.Model` compiled the ordinary way under mixed_float16 (Keras's own loss
-    scaling, adopted), fed Inf from its 4th batch on: OverflowGuard stops it, with
+    """A plain `keras.Model` whose scale starts at 4 over a `min_scale` of 1, fed Inf from its
+    4th batch on: overflows at `min_scale`, then OverflowGuard stops it, with
     steps_per_execution=2 (the logs say only every second step's flag)."""
     with tfmixprec.policy_scope("mixed_float16"):
         keras.utils.set_random_seed(0)
         inputs = keras.Input((3,))
         hidden = keras.layers.Dense(4, name="hidden")(inputs)
         model = keras.Model(inputs, keras.layers.Dense(2, name="out", dtype="float32")(hidden))
-        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+        optimizer = tfmixprec.LossScaleOptimizer(
+            keras.optimizers.SGD(), initial_scale=4.0, min_scale=1.0, on_min_scale="ignore"
+        )
+        model.compile(optimizer=optimizer, loss="mse", steps_per_execution=2)
     x = np.ones((40, 3), "float32")
     x[12:, 0] = np.inf
     guard = tfmixprec.OverflowGuard(max_consecutive=4, verbose=0)
@@ -53,6 +58,26 @@ def _stopped(log_dir):
     model.fit(x, np.zeros((40, 2), "float32"), batch_size=4, shuffle=False, verbose=0,
               callbacks=[guard, board])  # fmt: skip
     return model, guard
+
+
+def _float8(log_dir):
+    """A float16 model with one float8 layer (`hidden`), its statistics written every 2 steps."""
+    with tfmixprec.policy_scope("mixed_float16"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((32,)), keras.layers.Dense(64, activation="relu", name="first")]
+            + [keras.layers.Dense(64, activation="gelu", name="hidden"), keras.layers.Dense(16)]
+        )
+        tfmixprec.float8_layers(model)
+        model.compile(
+            tfmixprec.LossScaleOptimizer(keras.optimizers.Adam(1e-3)),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 32)).astype("float32"), rng.integers(0, 16, 24)
+    board = tfmixprec.TensorBoard(str(log_dir), update_freq=2)
+    model.fit(x, y, batch_size=4, verbose=0, shuffle=False, callbacks=[board])
+    return model, board
 
 
 def _keras_board(log_dir):
@@ -72,6 +97,7 @@ def runs(tmp_path_factory):
         STORY: _story(logs / "story"),
         STOP: _stopped(logs / "stopped"),
         KERAS: _keras_board(logs / "keras_board"),
+        FLOAT8: _float8(logs / "float8"),
     }
     servers = []
     port = start_tensorboard(logs, servers)
@@ -89,7 +115,7 @@ def test_the_tab_is_listed_active_under_its_name(runs):
     listing = get_json(port, "/data/plugins_listing")
     assert listing[names.PLUGIN_NAME]["enabled"] is True
     assert listing[names.PLUGIN_NAME]["tab_name"] == "Mixed precision"
-    assert get_json(port, "/data/plugin/tfmixprec/runs") == {"runs": [KERAS, STOP, STORY]}
+    assert get_json(port, "/data/plugin/tfmixprec/runs") == {"runs": [FLOAT8, KERAS, STOP, STORY]}
 
 
 def test_the_story_run_serves_the_steps_layers_causes_and_repair_recorded(runs):
@@ -140,9 +166,27 @@ def test_a_guard_stop_and_several_steps_an_execution(runs):
     assert data["overflows"][-1][0] == state["last_overflow_step"]
     # Steps 3 to 7 overflowed; a read every execution of 2 steps knows each one's last.
     assert data["overflows"] == [[3, 1.0], [5, 2.0], [7, 2.0]]
+    # Overflows at min_scale=1 (the scale went 4, 2, 1), reported at each read that saw some.
+    at_min = [e for e in data["events"] if e["kind"] == "min_scale"]
+    assert [(e["step"], e["count"]) for e in at_min] == [(5, 1), (7, 2)]
+    assert at_min[0]["message"].startswith("1 overflow step(s) at min_scale=1, where lowering")
     [stopped] = [e for e in data["events"] if e["kind"] == "guard_stop"]
     assert stopped["message"] == guard.stop_message
     assert stopped["step"] == guard.stopped_step - 1 == state["step"] - 1
+
+
+def test_float8_statistics_per_layer_and_tensor(runs):
+    _, port, found = runs
+    _, board = found[FLOAT8]
+    data = get_json(port, "/data/plugin/tfmixprec/data", {"run": FLOAT8})
+    series = {(s["layer"], s["tensor"], s["statistic"]): s["points"] for s in data["float8"]}
+    tensors = ("inputs", "kernel", "outputs_grad")
+    for tensor in tensors:
+        points = series[("hidden", tensor, "saturated_fraction")]
+        assert [step for step, _ in points] == [1, 3, 5]  # every 2 steps, 0-based
+        assert all(0.0 <= value <= 1.0 for _, value in points)
+    assert {layer for layer, _, _ in series} == {"hidden"}
+    assert {statistic for _, _, statistic in series} == set(FLOAT8_STATS)
 
 
 def test_keras_own_tensorboard_beside_the_monitor(runs):
@@ -263,8 +307,8 @@ def test_the_tab_draws_every_overflow_the_layer_the_cause_and_the_repair(runs):
             p.get_attribute("data-run"): p
             for p in driver.find_elements(By.CSS_SELECTOR, "section.run")
         }
-        assert sorted(panels) == [KERAS, STOP, STORY]  # several runs side by side
-        for run in (STORY, STOP, KERAS):
+        assert sorted(panels) == [FLOAT8, KERAS, STOP, STORY]  # several runs side by side
+        for run in (STORY, STOP, KERAS, FLOAT8):
             model = found[run][0]
             markers = panels[run].find_elements(By.CSS_SELECTOR, "circle.overflow-marker")
             drawn = sum(int(m.get_attribute("data-count")) for m in markers)
@@ -287,6 +331,11 @@ def test_the_tab_draws_every_overflow_the_layer_the_cause_and_the_repair(runs):
             "restarted at 2^12 (4096)"
         )
         assert len(story.find_elements(By.CSS_SELECTOR, "line.repair-mark")) == 1
+        float8 = panels[FLOAT8].find_elements(By.CSS_SELECTOR, "figure.chart-float8")
+        assert [f.find_element(By.TAG_NAME, "figcaption").text for f in float8] == [
+            "float8 hidden: saturated and zero-once-quantized fraction"
+        ]
+        assert len(float8[0].find_elements(By.CSS_SELECTOR, "polyline.series")) == 6  # 3 x 2
         stop_rows = [r.text for r in panels[STOP].find_elements(By.CSS_SELECTOR, "tr.guard_stop")]
         assert len(stop_rows) == 1 and "OverflowGuard stopped training" in stop_rows[0]
     finally:
