@@ -83,6 +83,36 @@ BENCH_DESCRIPTION = (
 )
 
 
+def _add_demo(sub: Any) -> None:
+    """The `demo` subcommand's parser."""
+    demo = sub.add_parser(
+        "demo",
+        help="train a small CNN on the digits data set",
+        description="Trains a small CNN on scikit-learn's digits under the policy this machine "
+        "trains fastest in (or --policy), then a short float16 phase in which a layer really "
+        "passes float16's 65504: the steps are skipped, the loss scale backs off, the overflow "
+        "is diagnosed and PrecisionRepair moves the layer to float32 while training goes on. "
+        'Both runs go to --logdir, for TensorBoard\'s "Mixed precision" tab.',
+    )
+    demo.add_argument(
+        "--policy",
+        choices=DEMO_POLICIES,
+        default="auto",
+        help="the first run's policy (default: auto, the fastest on this machine)",
+    )
+    demo.add_argument(
+        "--epochs", type=_positive_int, default=12, help="the first run's epochs (default: 12)"
+    )
+    demo.add_argument("--logdir", default="runs", help="TensorBoard log folder (default: runs)")
+    demo.add_argument(
+        "--batch-size", type=_positive_int, default=64, help="the first run's batch (default: 64)"
+    )
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--no-story", action="store_true", help="skip the float16 overflow-and-repair phase"
+    )
+
+
 def _add_bench(sub: Any) -> None:
     """The `bench` subcommand's arguments."""
     bench = sub.add_parser(
@@ -152,13 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument("--json", action="store_true", help="print JSON")
 
-    demo = sub.add_parser("demo", help="train a small CNN on the digits data set")
-    demo.add_argument("--policy", choices=DEMO_POLICIES, default="auto")
-    demo.add_argument("--epochs", type=_positive_int, default=12)
-    demo.add_argument("--logdir", default="runs", help="TensorBoard log folder (default: runs)")
-    demo.add_argument("--batch-size", type=_positive_int, default=64)
-    demo.add_argument("--quiet", action="store_true", help="no progress bar")
-
+    _add_demo(sub)
     _add_bench(sub)
     return parser
 

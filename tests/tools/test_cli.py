@@ -12,6 +12,7 @@ from pathlib import Path
 import keras
 import pytest
 import tensorflow as tf
+from live_tensorboard import get_json
 
 import tfmixprec
 from tfmixprec.precision.hardware import HardwareInfo
@@ -103,8 +104,11 @@ def test_audit_exit_codes(saved_models):
     code, out, _ = run("audit", str(saved_models / "clean.keras"))
     assert code == 0, out
     assert "ERROR" not in out and "WARNING" not in out
-    if not tfmixprec.detect_hardware().gpus:  # what is slow here is said, as information
-        assert "INFO    cpu-float16-kernels" in out
+    hardware = tfmixprec.detect_hardware()
+    # What is slow here is said, as information: float16 Dense products, on a CPU without
+    # AVX512_FP16 (with it they run natively and nothing is routed: nothing to say).
+    routed = not hardware.gpus and not hardware.cpu_float16
+    assert ("INFO    cpu-float16-kernels" in out) is routed
     code, out, _ = run("audit", str(saved_models / "float32.keras"))
     assert code == 0
     code, out, _ = run("audit", str(saved_models / "float32.keras"), "--policy", "mixed_float16")
@@ -167,16 +171,83 @@ def test_bad_arguments_are_usage_errors(args, message):
     assert message in err.strip().splitlines()[-1]
 
 
-def test_demo_trains_and_reports(tmp_path):
-    code, out, err = run("demo", "--epochs", "8", "--logdir", str(tmp_path / "runs"), cwd=tmp_path)
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """One `tfmixprec demo` for the module's tests: its output and its log folder."""
+    folder = tmp_path_factory.mktemp("demo")
+    code, out, err = run("demo", "--epochs", "8", "--logdir", str(folder / "runs"), cwd=folder)
     assert code == 0, err[-2000:]
+    return out, err, folder / "runs"
+
+
+def test_demo_trains_and_reports(demo_run):
+    out, _, runs = demo_run
     assert "loss_scale" in out  # in Keras's progress output
     accuracy = float(re.search(r"test accuracy\s+([0-9.]+)", out).group(1))
     assert accuracy > 0.90
     assert re.search(r"overflow steps\s+\d+ of \d+", out)
-    assert f"tensorboard --logdir {tmp_path / 'runs'}" in out
-    events = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    events = list(runs.glob("demo-*-*/train/events.out.tfevents.*"))
     assert events, "the demo writes TensorBoard logs"
+
+
+def test_demo_tells_the_float16_story_and_ends_with_the_tab(demo_run):
+    """A layer really passes 65504: 5 steps skipped as the scale backs off, the diagnosis of the
+    first, the repair at the fifth (PrecisionRepair's max_consecutive), clean steps after it."""
+    out, err, runs = demo_run
+    assert "float16 story: mixed_float16, shown for its loss-scale story, not for speed" in out
+    assert "UserWarning: mixed_float16 without a GPU" not in err  # the demo says it itself
+    story = out[out.index("tfmixprec float16 story") :].splitlines()
+    assert story[0] == "tfmixprec float16 story (steps 0-based, skipped steps counted)"
+    assert story[1] == (
+        "  overflow        5 of 48 steps skipped, steps 0-4: loss scale 32768 -> 16384 -> "
+        "8192 -> 4096 -> 2048"
+    )
+    assert re.fullmatch(
+        r"  diagnosis       step 0: forward-overflow in 'wide', its outputs reach "
+        r"[0-9.]+e\+05 in float32",
+        story[2],
+    )
+    assert re.fullmatch(
+        r"  repair          step 4: 'wide', 'narrow' now float32, loss scale restarted at \d+",
+        story[3],
+    )
+    losses = re.fullmatch(r"  after it        43 steps, 0 overflow; loss per epoch (.*)", story[4])
+    first, *_, last = (float(v) for v in losses.group(1).split(" -> "))
+    assert last < first  # training went on
+    assert story[-2:] == [
+        f"  TensorBoard     tensorboard --logdir {runs}",
+        '                  then open the "Mixed precision" tab',
+    ]
+    [logs] = runs.glob("demo-float16-story-*")
+    assert list((logs / "train").glob("events.out.tfevents.*"))
+
+
+def test_demo_logs_make_the_tab_show_the_story(demo_run, tensorboard_server):
+    _, _, runs = demo_run
+    port = tensorboard_server(runs)
+    listed = get_json(port, "/data/plugin/tfmixprec/runs")["runs"]
+    [story] = [run for run in listed if run.startswith("demo-float16-story-")]
+    assert len(listed) == 2  # and the first run's
+    data = get_json(port, "/data/plugin/tfmixprec/data", {"run": story})
+    assert data["overflows"] == [[step, 1.0] for step in range(5)]
+    diagnosis, repair = data["events"]
+    assert (diagnosis["kind"], diagnosis["step"], diagnosis["cause"], diagnosis["layer"]) == (
+        "diagnosis",
+        0,
+        "forward-overflow",
+        "wide",
+    )
+    assert (repair["kind"], repair["step"], repair["layers"]) == ("repair", 4, ["wide", "narrow"])
+
+
+def test_demo_without_the_story(tmp_path):
+    args = ("demo", "--epochs", "1", "--quiet", "--no-story", "--logdir", str(tmp_path / "runs"))
+    code, out, err = run(*args, cwd=tmp_path)
+    assert code == 0, err[-2000:]
+    assert "float16 story" not in out
+    assert out.rstrip().endswith('then open the "Mixed precision" tab')
+    assert [p.name.split("-")[1] for p in (tmp_path / "runs").iterdir()] != ["float16"]
+    assert len(list((tmp_path / "runs").iterdir())) == 1
 
 
 def test_bench_table():

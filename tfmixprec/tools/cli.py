@@ -71,7 +71,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     policy = choice.name if args.policy == "auto" else args.policy
     print(f"policy: {policy}" + (f" (auto: {choice.reason})" if args.policy == "auto" else ""))
     (x_train, y_train), (x_test, y_test) = load_digits()
-    run_dir = Path(args.logdir) / f"demo-{policy}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(args.logdir) / f"demo-{policy}-{stamp}"
     start = time.perf_counter()
     with tfmixprec.policy_scope(policy):
         keras.utils.set_random_seed(0)
@@ -92,14 +93,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
             callbacks=[monitor, board],
         )
         _, accuracy = model.evaluate(x_test, y_test, verbose=0)
-    _print_demo_summary(
-        policy, accuracy, len(x_test), model.optimizer, time.perf_counter() - start, args.logdir
-    )
+    _print_demo_summary(policy, accuracy, len(x_test), model.optimizer, time.perf_counter() - start)
+    if not args.no_story:
+        story = Path(args.logdir) / f"demo-float16-story-{stamp}"
+        _print_story(run_float16_story(x_train, y_train, story))
+    print(f"  TensorBoard     tensorboard --logdir {args.logdir}")
+    print('                  then open the "Mixed precision" tab')
     return EXIT_OK
 
 
 def _print_demo_summary(
-    policy: str, accuracy: float, n_test: int, optimizer: Any, seconds: float, logdir: str
+    policy: str, accuracy: float, n_test: int, optimizer: Any, seconds: float
 ) -> None:
     from tfmixprec.scaling.loss_scale import format_scale
 
@@ -113,7 +117,106 @@ def _print_demo_summary(
     print(f"  loss scale      {format_scale(state['loss_scale'])} ({kind})")
     print(f"  overflow steps  {state['overflow_steps']} of {steps}")
     print(f"  training time   {seconds:.1f} s")
-    print(f"  TensorBoard     tensorboard --logdir {logdir}")
+
+
+# The float16 phase: `wide` projects an image with weights of about 3e4, so its outputs reach
+# about 1e5 on these images (past float16's 65504, a fraction of float32's range); `narrow`
+# scales them back. Both are frozen, so the values stay where they are while the classifier
+# after them learns.
+STORY_IMAGES, STORY_BATCH, STORY_EPOCHS = 512, 32, 3
+
+
+def build_story_model():
+    """A float16 digits classifier (under the current policy) whose layer `wide` passes
+    float16's 65504 on every batch; computed in float32 it is finite."""
+    import keras
+
+    import tfmixprec
+
+    normal = keras.initializers.RandomNormal
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Flatten(name="flatten")(inputs)
+    wide = keras.layers.Dense(
+        64, kernel_initializer=normal(stddev=3e4, seed=1), trainable=False, name="wide"
+    )
+    narrow = keras.layers.Dense(
+        32, kernel_initializer=normal(stddev=1e-6, seed=2), trainable=False, name="narrow"
+    )
+    h = keras.layers.Dense(32, activation="relu", name="hidden")(narrow(wide(h)))
+    outputs = keras.layers.Dense(10, activation="softmax", dtype="float32", name="digit")(h)
+    return tfmixprec.MixedPrecisionModel(inputs, outputs, name="float16_story")
+
+
+def run_float16_story(x: Any, y: Any, run_dir: Path) -> dict[str, Any]:
+    """Trains `build_story_model` under mixed_float16 with a diagnosis of the first overflow
+    and `PrecisionRepair`, written to `run_dir` every step; returns what the readers say."""
+    import warnings
+
+    print("")
+    print(
+        "float16 story: mixed_float16, shown for its loss-scale story, not for speed on this "
+        "machine; a layer's outputs pass float16's 65504 ..."
+    )
+    with warnings.catch_warnings():  # the line above says it: not set_policy's warning too
+        warnings.filterwarnings("ignore", "mixed_float16 without a GPU", UserWarning)
+        return _fit_story(x, y, run_dir)
+
+
+def _fit_story(x: Any, y: Any, run_dir: Path) -> dict[str, Any]:
+    import keras
+
+    import tfmixprec
+    from tfmixprec.fit.repair import repairs_of
+
+    with tfmixprec.policy_scope("mixed_float16"):
+        keras.utils.set_random_seed(0)
+        model = build_story_model()
+        model.compile(optimizer=keras.optimizers.Adam(2e-3), loss="sparse_categorical_crossentropy")
+        monitor = tfmixprec.LossScaleMonitor(update_freq=1, diagnose=1)
+        callbacks = [
+            tfmixprec.PrecisionRepair(verbose=0),
+            monitor,
+            tfmixprec.TensorBoard(str(run_dir), update_freq=1, diagnose=1),
+        ]
+        n = STORY_IMAGES
+        history = model.fit(x[:n], y[:n], batch_size=STORY_BATCH, epochs=STORY_EPOCHS,
+                            shuffle=False, verbose=0, callbacks=callbacks)  # fmt: skip
+    return {
+        "state": model.optimizer.read_state(),
+        "events": monitor.events,
+        "diagnoses": monitor.diagnoses,
+        "repairs": repairs_of(model),
+        "loss": history.history["loss"],  # per epoch: nan while no step was applied
+    }
+
+
+def _print_story(story: dict[str, Any]) -> None:
+    """The float16 phase's lines, each read from a tfmixprec reader: the monitor's overflow
+    lines, its diagnoses, the repairs made on the model, the optimizer's state."""
+    import re
+
+    from tfmixprec.scaling.loss_scale import format_scale
+
+    state, repairs = story["state"], story["repairs"]
+    found = [re.match(r"overflow at step (\d+) .*loss scale (\S+) ->", e) for e in story["events"]]
+    steps = [int(m.group(1)) for m in found if m]
+    scales = " -> ".join(m.group(2) for m in found if m)  # the scale each overflow step used
+    print("")
+    print("tfmixprec float16 story (steps 0-based, skipped steps counted)")
+    print(f"  overflow        {state['overflow_steps']} of {state['step']} steps skipped, steps "
+          f"{steps[0]}-{steps[-1]}: loss scale {scales}")  # fmt: skip
+    for step, diagnosis in story["diagnoses"]:
+        row = next(r for r in diagnosis.layers if r.layer == diagnosis.layer)
+        print(f"  diagnosis       step {step}: {diagnosis.cause} in {diagnosis.layer!r}, its "
+              f"outputs reach {row.float32_max_abs:.3g} in float32")  # fmt: skip
+    for repair in repairs:
+        layers = ", ".join(repr(layer) for layer in repair.layers)
+        print(f"  repair          step {repair.step}: {layers} now float32, loss scale "
+              f"restarted at {format_scale(repair.loss_scale)}")  # fmt: skip
+    after = state["step"] - 1 - (repairs[-1].step if repairs else -1)
+    later = state["overflow_steps"] - (repairs[-1].step + 1 if repairs else 0)
+    losses = " -> ".join(f"{loss:.3f}" for loss in story["loss"])
+    print(f"  after it        {after} steps, {later} overflow; loss per epoch {losses}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
