@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-docs/mixed-precision-tab.png}
-size=${2:-1500,2300}
+size=${2:-1500,1640}
 logdir=$(mktemp -d)
 tfmixprec demo --quiet --epochs 2 --logdir "$logdir" >/dev/null
 port=6124

@@ -270,7 +270,7 @@ function eventTable(data) {
 function describe(event) {
   if (event.kind === 'diagnosis') {
     let what = event.message;
-    if (typeof event.value === 'number' && event.value > 65504) {
+    if (typeof event.value === 'number' && event.value > 65504 && !what.includes('65504')) {
       what = `a value of ${formatNumber(event.value)} (in float32) passed float16's 65504. ${what}`;
     }
     return [event.layer || '', event.cause, what];
@@ -391,6 +391,7 @@ function formatScale(value) {
 
 function formatNumber(value) {
   if (typeof value !== 'number') return String(value);
+  if (Number.isInteger(value) && Math.abs(value) < 1e9) return String(value);
   if (value !== 0 && (Math.abs(value) >= 1e5 || Math.abs(value) < 1e-3)) return value.toExponential(2);
   return String(Number(value.toPrecision(4)));
 }

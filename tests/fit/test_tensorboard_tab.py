@@ -322,10 +322,9 @@ def test_the_tab_draws_every_overflow_the_layer_the_cause_and_the_repair(runs):
         text = story.text
         assert "16 steps: 11 applied, 5 skipped (overflow)" in text
         rows = [r.text for r in story.find_elements(By.CSS_SELECTOR, "tr.event")]
-        assert rows[0].startswith(
-            "0 diagnosis big forward-overflow a value of 1.01e+5 (in float32) passed "
-            "float16's 65504."
-        )
+        [(_, diagnosis)] = found[STORY][1].diagnoses
+        assert rows[0] == f"0 diagnosis big forward-overflow {diagnosis.message}"
+        assert "past float16's 65504" in diagnosis.message  # the value, in the message
         assert rows[1].startswith(
             "4 repair big, proj forward-overflow moved to float32: big, proj; loss scale "
             "restarted at 2^12 (4096)"
