@@ -2,8 +2,9 @@
 
 A small float16 model starts with a loss scale far too high (2**20): the first steps overflow
 and the scale backs off; then it grows every `--growth-interval` clean steps, overflows again,
-and backs off: the sawtooth of a dynamic loss scale. Open the "Custom Scalars" tab of
-TensorBoard, category "Mixed precision", to see loss, loss scale and overflow events together.
+and backs off: the sawtooth of a dynamic loss scale. Open TensorBoard's "Mixed precision" tab
+to see the loss scale with each overflow step marked, the loss and the layers (or the "Custom
+Scalars" tab, category "Mixed precision", for the same values as TensorBoard's own charts).
 
     python examples/tensorboard_dashboard.py --logdir runs/dashboard
     tensorboard --logdir runs/dashboard
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"overflow steps {result['overflow_steps']} of "
         f"{result['overflow_steps'] + result['applied_steps']}"
     )
-    print(f"open the dashboard: tensorboard --logdir {args.logdir}")
+    tab = 'then the "Mixed precision" tab'
+    print(f"open the dashboard: tensorboard --logdir {args.logdir}, {tab}")
     return result
 
 
