@@ -8,7 +8,7 @@
 const SVG = 'http://www.w3.org/2000/svg';
 const WIDTH = 760;
 const MARGIN = {left: 64, right: 16, top: 12, bottom: 34};
-const MAX_SELECTED = 4;
+const MAX_SELECTED = 6;
 const AXIS_NAMES = {
   step: 'step (0-based, skipped steps counted)',
   batch: "Keras's batch (1-based)",
@@ -86,13 +86,13 @@ async function drawRuns(panels, runs) {
 function drawRun(panel, data) {
   const domain = stepDomain(data);
   panel.appendChild(summary(data));
-  panel.appendChild(
-    figure(
-      'Loss scale (log2), each overflow step marked',
-      scaleChart(data, domain),
-      'scale',
-    ),
-  );
+  if (data.scale.length || data.overflows.length) {
+    const chart = scaleChart(data, domain);
+    panel.appendChild(figure('Loss scale (log2), each overflow step marked', chart, 'scale'));
+  } else {
+    const why = 'No loss scaling in this run: its optimizer does not scale the loss (bfloat16 and float32 need none).';
+    panel.appendChild(el('p', {class: 'empty no-scaling'}, why));
+  }
   if (data.loss.length) {
     const loss = lineChart(domain, [{points: data.loss, cls: 'loss'}], {});
     panel.appendChild(figure('Loss', loss, 'loss'));

@@ -23,7 +23,7 @@ from tfmixprec.fit.layout import FLOAT8_STATS
 from tfmixprec.fit.repair import repairs_of
 
 STORY, STOP, KERAS = "story/train", "stopped/train", "keras_board/train"
-FLOAT8 = "float8/train"
+FLOAT8, BF16 = "float8/train", "bfloat16/train"
 
 
 def _story(log_dir):
@@ -90,6 +90,17 @@ def _keras_board(log_dir):
     return model, monitor
 
 
+def _bfloat16(log_dir):
+    """A plain `keras.Model` under mixed_bfloat16 with a plain optimizer: no loss scaling."""
+    with tfmixprec.policy_scope("mixed_bfloat16"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="out")])
+        model.compile(optimizer="sgd", loss="mse")
+    board = tfmixprec.TensorBoard(str(log_dir), update_freq=1)
+    model.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=4, verbose=0, callbacks=[board])
+    return model, board
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
@@ -98,6 +109,7 @@ def runs(tmp_path_factory):
         STOP: _stopped(logs / "stopped"),
         KERAS: _keras_board(logs / "keras_board"),
         FLOAT8: _float8(logs / "float8"),
+        BF16: _bfloat16(logs / "bfloat16"),
     }
     servers = []
     port = start_tensorboard(logs, servers)
@@ -115,7 +127,9 @@ def test_the_tab_is_listed_active_under_its_name(runs):
     listing = get_json(port, "/data/plugins_listing")
     assert listing[names.PLUGIN_NAME]["enabled"] is True
     assert listing[names.PLUGIN_NAME]["tab_name"] == "Mixed precision"
-    assert get_json(port, "/data/plugin/tfmixprec/runs") == {"runs": [FLOAT8, KERAS, STOP, STORY]}
+    assert get_json(port, "/data/plugin/tfmixprec/runs") == {
+        "runs": [BF16, FLOAT8, KERAS, STOP, STORY]
+    }
 
 
 def test_the_story_run_serves_the_steps_layers_causes_and_repair_recorded(runs):
@@ -187,6 +201,20 @@ def test_float8_statistics_per_layer_and_tensor(runs):
         assert all(0.0 <= value <= 1.0 for _, value in points)
     assert {layer for layer, _, _ in series} == {"hidden"}
     assert {statistic for _, _, statistic in series} == set(FLOAT8_STATS)
+
+
+def test_a_run_without_loss_scaling(runs):
+    """Listed by its start event; its loss, and no scale: it has none to show."""
+    _, port, _ = runs
+    data = get_json(port, "/data/plugin/tfmixprec/data", {"run": BF16})
+    assert (data["scale"], data["overflows"], data["overflow_total"]) == ([], [], None)
+    assert [step for step, _ in data["loss"]] == [0, 1]
+    [start] = data["starts"]
+    assert (start["policy"], start["loss_scale"], start["dynamic"]) == (
+        "mixed_bfloat16",
+        None,
+        None,
+    )
 
 
 def test_keras_own_tensorboard_beside_the_monitor(runs):
@@ -307,7 +335,7 @@ def test_the_tab_draws_every_overflow_the_layer_the_cause_and_the_repair(runs):
             p.get_attribute("data-run"): p
             for p in driver.find_elements(By.CSS_SELECTOR, "section.run")
         }
-        assert sorted(panels) == [FLOAT8, KERAS, STOP, STORY]  # several runs side by side
+        assert sorted(panels) == [BF16, FLOAT8, KERAS, STOP, STORY]  # side by side
         for run in (STORY, STOP, KERAS, FLOAT8):
             model = found[run][0]
             markers = panels[run].find_elements(By.CSS_SELECTOR, "circle.overflow-marker")
@@ -335,6 +363,11 @@ def test_the_tab_draws_every_overflow_the_layer_the_cause_and_the_repair(runs):
             "float8 hidden: saturated and zero-once-quantized fraction"
         ]
         assert len(float8[0].find_elements(By.CSS_SELECTOR, "polyline.series")) == 6  # 3 x 2
+        assert (
+            panels[BF16]
+            .find_element(By.CSS_SELECTOR, "p.no-scaling")
+            .text.startswith("No loss scaling in this run")
+        )
         stop_rows = [r.text for r in panels[STOP].find_elements(By.CSS_SELECTOR, "tr.guard_stop")]
         assert len(stop_rows) == 1 and "OverflowGuard stopped training" in stop_rows[0]
     finally:

@@ -431,7 +431,7 @@ def _step_now(board: TensorBoard) -> int:
     """The 0-based number of the step just taken, skipped steps counted (one host read)."""
     optimizer = board._reader.optimizer
     if optimizer is not None:
-        return int(optimizer.read_state()["step"]) - 1
+        return int(optimizer.snapshot()["step"].numpy()) - 1
     return int(board.model.optimizer.iterations.numpy()) - 1
 
 
