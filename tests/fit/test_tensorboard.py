@@ -581,3 +581,25 @@ def _stat(tensor, stat):
     if stat.startswith("log2_"):
         return np.log2(getattr(tensor, stat[5:]))
     return getattr(tensor, stat)
+
+
+@pytest.mark.parametrize(
+    "cls, markers",
+    [  # MixedPrecisionModel's step logs its overflow flag: each marked at its own step
+        (tfmixprec.MixedPrecisionModel, [(1, 1.0), (2, 1.0)]),
+        # Keras's own step logs none: the read at step 3 finds 2, the last at step 2
+        (keras.Model, [(2, 2.0)]),
+    ],
+)
+def test_overflows_between_two_writes_are_all_counted(tmp_path, cls, markers):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    model = cls(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer=LossScaleOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x, y = np.ones((8 * BATCH, 3), "float32"), np.ones((8 * BATCH, 2), "float32")
+    x[1 * BATCH, 0] = x[2 * BATCH, 0] = np.inf  # steps 1 and 2, in the write interval 0-3
+    board = tfmixprec.TensorBoard(str(tmp_path), update_freq=4)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[board])
+    acc = _events(tmp_path)
+    assert _series(acc, "mixed_precision/overflow") == markers
+    assert _series(acc, "mixed_precision/overflow_steps") == [(3, 2.0), (7, 2.0)]

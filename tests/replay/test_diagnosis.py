@@ -278,7 +278,7 @@ def test_callbacks_replay_overflow_steps_automatically(tmp_path, capsys, jit_com
         (e.step, e.tensor_proto.string_val[0].decode())
         for e in acc.Tensors("mixed_precision/diagnosis")
     ]
-    assert [step for step, _ in texts] == [2]  # its own cap: 1, at the batch it happened
+    assert [step for step, _ in texts] == [1]  # its own cap: 1, at the step it happened
     assert texts[0][1].startswith("**forward-overflow** in `big`")
     model.fit(x, y, **fit)  # the cap is per fit
     assert len(monitor.diagnoses) == 6

@@ -337,10 +337,13 @@ class TensorBoard(_ChiefWrites):
         """Writes the loss-scale values and the overflows since the last write (with
         `only_new_overflows`: nothing unless there were some), at the step just taken (0-based,
         skipped steps counted) or at `epoch` with `update_freq="epoch"`."""
-        if self._reader.optimizer is None:  # no loss scaling: only the gradient range
+        if self._reader.optimizer is None:  # no loss scaling: the loss, float8, gradients
+            if only_new_overflows:
+                return
             step = _step_now(self) if epoch is None else epoch
-            if not only_new_overflows:
-                _write_float8(self, step)
+            _write_float8(self, step)
+            with tensorboard_writer(self).as_default(), tf.summary.record_if(True):
+                _write_loss(self, step)
             self._write_gradients(step)
             return
         state, before = self._reader.read()
@@ -416,22 +419,22 @@ def _host_number(value: Any) -> float | None:
 
 
 def _note_step(board: TensorBoard, logs: dict | None) -> None:
-    """From each batch's logs (host numbers Keras already read; nothing read from the
-    device): the loss, and the step's number when the step overflowed (`overflow` is 1 when
-    the step just taken was skipped, `step` the number of steps taken), so that each
-    overflow step is marked at its own step, not at the next write."""
+    """From each batch's logs (host numbers Keras already read): the loss, and, where the
+    step just taken overflowed (`overflow` is 1: a `MixedPrecisionModel`'s step logs it), its
+    number (one read, on that step only), so that each overflow step is marked at its own
+    step, not counted at the next write. Nothing is read on any other step."""
     logs = logs if isinstance(logs, dict) else {}
     board._loss = _host_number(logs.get("loss"))
-    flag, taken = _host_number(logs.get("overflow")), _host_number(logs.get("step"))
-    if board.update_freq != "epoch" and flag and taken is not None:
-        board._flagged.append(int(taken) - 1)
+    optimizer = board._reader.optimizer
+    if board.update_freq != "epoch" and _host_number(logs.get("overflow")) and optimizer:
+        board._flagged.append(int(optimizer.last_overflow_step().numpy()))
 
 
 def _step_now(board: TensorBoard) -> int:
     """The 0-based number of the step just taken, skipped steps counted (one host read)."""
     optimizer = board._reader.optimizer
     if optimizer is not None:
-        return int(optimizer.snapshot()["step"].numpy()) - 1
+        return int(optimizer.read_state()["step"]) - 1
     return int(board.model.optimizer.iterations.numpy()) - 1
 
 
@@ -441,6 +444,11 @@ def _write_state(board: TensorBoard, state: dict[str, Any], step: int) -> None:
     tf.summary.scalar(TAGS["loss_scale"], state["loss_scale"], step=step)
     tf.summary.scalar(TAGS["log2_loss_scale"], math.log2(state["loss_scale"]), step=step)
     tf.summary.scalar(TAGS["overflow_steps"], float(state["overflow_steps"]), step=step)
+    _write_loss(board, step)
+
+
+def _write_loss(board: TensorBoard, step: int) -> None:
+    """The loss of the step just taken (from Keras's logs), where finite."""
     if board._loss is not None and math.isfinite(board._loss):
         tf.summary.scalar(TAGS["loss"], board._loss, step=step)
 

@@ -213,8 +213,9 @@ def _print_story(story: dict[str, Any]) -> None:
         layers = ", ".join(repr(layer) for layer in repair.layers)
         print(f"  repair          step {repair.step}: {layers} now float32, loss scale "
               f"restarted at {format_scale(repair.loss_scale)}")  # fmt: skip
-    after = state["step"] - 1 - (repairs[-1].step if repairs else -1)
-    later = state["overflow_steps"] - (repairs[-1].step + 1 if repairs else 0)
+    last = repairs[-1].step if repairs else -1
+    after = state["step"] - 1 - last  # steps taken after the last repair
+    later = len([step for step in steps if step > last])  # of them, the monitor's overflows
     losses = " -> ".join(f"{loss:.3f}" for loss in story["loss"])
     print(f"  after it        {after} steps, {later} overflow; loss per epoch {losses}")
 
