@@ -236,6 +236,27 @@ def _attention_model():
     return keras.Model(inputs, outputs)
 
 
+@pytest.mark.parametrize(
+    "function, why",
+    [
+        (tf.nn.softmax, "softmax activation"),  # its __name__ is softmax_v2
+        (tf.nn.log_softmax, "log_softmax activation"),
+        (keras.ops.softmax, "softmax activation"),
+    ],
+)
+def test_a_softmax_is_matched_by_what_it_is_not_its_name(function, why):
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Activation(function, name="probs")(keras.layers.Dense(4)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden))
+    changes = tfmixprec.float32_outputs(model, softmax=True)
+    assert [(c.layer, c.new, c.why) for c in changes] == [
+        ("out", "float32", "produces a model output in float16"),
+        ("probs", "float32", f"{why} (softmax=True)"),
+    ]
+    assert model.get_layer("probs").compute_dtype == "float32"
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_float32_outputs_softmax_moves_every_standalone_softmax_layer(policy, tmp_path):
     low = policy.split("_")[1]

@@ -253,11 +253,31 @@ def policy_scope(name: str, hardware: HardwareInfo | None = None) -> Iterator[An
         restore_global_policy(previous)
 
 
+def _known_activations() -> dict[Any, str]:
+    """The softmax-like functions by what they are, not their `__name__`: TensorFlow's
+    `tf.nn.softmax` is named `softmax_v2`, `tf.math.sigmoid` `sigmoid`, Keras's ops their own."""
+    import tensorflow as tf
+
+    known = {}
+    for name in FLOAT32_ACTIVATIONS:
+        for module in (keras.activations, keras.ops, tf.nn, tf.math):
+            function = getattr(module, name, None)
+            if callable(function):
+                known[function] = name
+    return known
+
+
 def _activation_name(layer: Any) -> str | None:
+    """The name of a layer's activation function: a softmax-like function by identity
+    (`_known_activations`), any other by its `__name__`."""
     activation = getattr(layer, "activation", None)
     if activation is None or not callable(activation):
         return None
-    return getattr(activation, "__name__", None)
+    try:
+        known = _known_activations().get(activation)
+    except TypeError:  # an unhashable callable object
+        known = None
+    return known or getattr(activation, "__name__", None)
 
 
 def float32_reason(layer: Any) -> str | None:
