@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tfmixprec",
         description="Safe, visible and fast mixed precision for Keras 3 on TensorFlow.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # No command is not an error: bare `tfmixprec` prints this help (exit 0).
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     doctor = sub.add_parser(
         "doctor",

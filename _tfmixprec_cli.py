@@ -22,7 +22,11 @@ __all__ = ["main", "run"]
 def run(argv: Sequence[str] | None = None) -> int:
     """Runs the `tfmixprec` command in this process and returns its exit code; a usage error
     raises `SystemExit(2)` before TensorFlow is imported."""
-    args = build_parser().parse_args(argv)  # --help and usage errors end here, quickly
+    parser = build_parser()
+    args = parser.parse_args(argv)  # --help and usage errors end here, quickly
+    if args.command is None:  # bare `tfmixprec`: what it can do, not a usage error
+        parser.print_help()
+        return 0
     start_tensorflow()
     from tfmixprec.tools import cli
 

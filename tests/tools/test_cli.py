@@ -803,7 +803,7 @@ def _imported_modules(importtime_stderr):
         (["bench", "-h"], 0, "[--model MODEL]"),
         (["demo", "--policy", "fp8"], 2, "invalid choice: 'fp8'"),
         (["demo", "--epochs", "0"], 2, "expected a positive integer, got '0'"),
-        ([], 2, "the following arguments are required: COMMAND"),
+        ([], 0, "usage: tfmixprec [-h] COMMAND ..."),  # bare: the help, not an error
     ],
 )
 def test_help_and_usage_errors_never_import_tensorflow(args, code, expected):
@@ -934,3 +934,12 @@ def test_demo_with_float16_without_a_gpu_says_what_is_faster(tmp_path):
     assert f"for speed on this machine use {faster!r}" in err
     assert "tfmixprec.cpu_float16 routes around the float16 kernels slow on this CPU" in err
     assert HIDDEN_TF_LINE.findall(err) == []  # TensorFlow's ERROR lines may come (any CPU)
+
+
+def test_bare_command_in_process_prints_the_help(capsys):
+    from tfmixprec.tools.cli import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: tfmixprec [-h] COMMAND ...")
+    assert "demo" in out and "audit" in out

@@ -283,7 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the `tfmixprec` command in this process, as the console script does (its Python
     warnings aside, which stay Python's). Returns the exit code; usage errors raise
     `SystemExit(2)`."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `tfmixprec`: its help, as the console script prints it
+        parser.print_help()
+        return EXIT_OK
     start_tensorflow()  # TensorFlow is imported already: only its log level's default
     return run_parsed(args)
 
