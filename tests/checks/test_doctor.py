@@ -108,3 +108,19 @@ def test_doctor_agrees_with_the_readme_on_mobilenet():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert "MobileNetV3 measured 0.68-1.10x float32" in report.reason
     assert "to 0.68-1.10x" in " ".join(readme.split())
+
+
+def test_doctor_reads_an_unset_global_policy_without_setting_it():
+    """A reader reads: after doctor(), set_floatx("float64") still builds float64 layers."""
+    from tfmixprec._keras.settings import global_policy, restore_global_policy
+
+    restore_global_policy(None)  # unset, as in a fresh process
+    try:
+        report = tfmixprec.doctor(print_report=False)
+        assert global_policy() is None
+        assert report.current_policy == "float32"  # Keras's default, from floatx
+        keras.config.set_floatx("float64")
+        assert keras.layers.Dense(2).dtype_policy.name == "float64"
+    finally:
+        keras.config.set_floatx("float32")
+        restore_global_policy(None)

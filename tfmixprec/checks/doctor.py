@@ -13,6 +13,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmixprec._keras.settings import global_policy
 from tfmixprec.precision import cpu_bfloat16, cpu_float16
 from tfmixprec.precision.hardware import (
     BF16_CPU_FLAGS,
@@ -115,7 +116,8 @@ def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> D
     """
     hardware = detect_hardware() if hardware is None else hardware
     choice = choose_policy(hardware)
-    current = keras.config.dtype_policy().name
+    policy = global_policy()  # reading it through Keras would set an unset one to float32
+    current = policy.name if policy is not None else keras.config.floatx()
     warnings = []
     if current == "mixed_float16" and not hardware.gpus and not hardware.tpus:
         warnings.append(float16_without_gpu_note(hardware))
