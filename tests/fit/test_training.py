@@ -850,3 +850,21 @@ def test_progress_bar_shows_the_loss_scale_and_overflows_only(capsys):
     mine = keras.callbacks.ProgbarLogger()  # a progress bar of your own is used as it is
     _, lines = _bar_lines(model, x, y, 2, capsys, callbacks=[mine])
     assert "overflow_steps: " in lines[0]
+
+
+def test_a_float16_model_loaded_under_mixed_bfloat16_keeps_its_advice(tmp_path):
+    """Issue 47 item 10: judged by its layers' compute dtypes, not the global policy (the
+    model's own policy and its InputLayer follow it when loaded): no "computes in bfloat16,
+    needs no loss scaling" advice for a model whose layers compute in float16."""
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(2, dtype="float32")(keras.layers.Dense(4)(inputs))
+        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+    model.save(tmp_path / "f16.keras")
+    with tfmixprec.policy_scope("mixed_bfloat16"), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loaded = keras.models.load_model(tmp_path / "f16.keras")
+    assert [w for w in seen if "computes in bfloat16" in str(w.message)] == []
+    assert loaded.layers[1].compute_dtype == "float16" and loaded.optimizer.dynamic

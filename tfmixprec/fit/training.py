@@ -51,6 +51,17 @@ def _computes_in(model: Any, dtype: str) -> bool:
     return any(layer.dtype_policy.compute_dtype == dtype for layer in iter_layers(model))
 
 
+def _layers_compute_in(model: Any, dtype: str) -> bool:
+    """Whether a layer of `model` computes in `dtype`, judged by its layers alone: the model's
+    own policy follows the global policy where it was built or loaded (a float16 model loaded
+    under `mixed_bfloat16` has a bfloat16 model policy), and an `InputLayer` computes nothing."""
+    return any(
+        layer.dtype_policy.compute_dtype == dtype
+        for layer in iter_layers(model)
+        if not isinstance(layer, keras.layers.InputLayer)
+    )
+
+
 def route_slow_cpu_kernels(model: Any) -> None:
     """float16 without a GPU: the remapper off, convolution/Dense products in float32
     (`cpu_float16`); bfloat16 layers on a CPU: the routes of `cpu_bfloat16`. What `compile`
@@ -120,7 +131,10 @@ def _optimizer_for(
     float16 = _computes_in(model, "float16")
     given = optimizer
     optimizer = _ensure_loss_scale_optimizer(optimizer, float16, loss_scaling, accumulation_steps)
-    if optimizer is given and optimizer.dynamic and _computes_in(model, "bfloat16"):
+    bfloat16_only = _layers_compute_in(model, "bfloat16") and not _layers_compute_in(
+        model, "float16"
+    )
+    if optimizer is given and optimizer.dynamic and bfloat16_only:
         warnings.warn(
             "The model computes in bfloat16, whose range is float32's: it needs no loss "
             "scaling, yet its tfmixprec.LossScaleOptimizer has a dynamic scale from "
