@@ -19,6 +19,7 @@ from tfmixprec._keras.settings import (
     restore_optimizer_options,
 )
 from tfmixprec.precision import cpu_float16
+from tfmixprec.precision.cpu_route import route_of
 from tfmixprec.precision.hardware import GPUInfo, HardwareInfo, detect_hardware
 
 CPU_ONLY = HardwareInfo(cpu_name="Test CPU")  # no AVX-512 flags: every route
@@ -487,3 +488,21 @@ def test_a_float16_attention_overflow_still_overflows_when_routed(dropout, causa
     x = np.full((1, 6, 16), 100.0, "float32")  # each score 8 * 1601^2 / sqrt(8): past 65504
     assert not np.isfinite(plain(x).numpy()).all()
     assert not np.isfinite(routed(x).numpy()).all()
+
+
+def test_an_instance_s_own_call_keeps_it():
+    """Issue 47 item 13: a route re-implements Dense's call, so a layer whose instance holds
+    its own `call` (as a subclass that overrides it) is not routed and keeps computing it."""
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((4,))
+        own = keras.layers.Dense(4, name="own")
+        plain = keras.layers.Dense(4, name="plain")
+        model = keras.Model(inputs, plain(own(inputs)))
+    original = own.call
+    own.call = lambda x, *args, **kwargs: original(x, *args, **kwargs) * 0.001
+    x = np.ones((2, 4), "float32")
+    before = own(x).numpy()
+    routed = cpu_float16.fast_float16_layers(model, hardware=CPU_ONLY)
+    assert routed == ["plain"]
+    assert route_of(own) is None and route_of(plain) == "float32 product"
+    np.testing.assert_array_equal(own(x).numpy(), before)  # still the user's call

@@ -53,9 +53,18 @@ def served(layers: Iterable[Any], dtype: str, routes: Sequence[Route]) -> list[t
         if layer.compute_dtype != dtype or getattr(layer, "quantization_mode", None):
             continue
         taken = next((r for r in routes if r.method(layer) is not None), None)
-        if taken is not None:
+        if taken is not None and not _own_method(layer, taken.method(layer)[0]):
             found.append((layer, taken))
     return found
+
+
+def _own_method(layer: Any, attribute: str) -> bool:
+    """Whether `layer` holds its own `attribute` on the instance (a user's `layer.call = ...`),
+    not one a tfmixprec patch made: a route re-implements the class's method, so such a layer
+    keeps its own, as a subclass that overrides it does."""
+    if attribute not in vars(layer):
+        return False
+    return not any(p.attribute == attribute and p.active for p in patches_of(layer))
 
 
 def _route_patches(layer: Any) -> list[Patch]:
