@@ -135,7 +135,9 @@ def _add_bench(sub: Any) -> None:
         help="default: float32 mixed_bfloat16 auto (built in); float32 mixed_bfloat16 "
         "mixed_float16 (other models)",
     )
-    bench.add_argument("--size", type=_positive_int, default=1024, help="built-in model width")
+    bench.add_argument(
+        "--size", type=_positive_int, default=1024, help="built-in model width (default: 1024)"
+    )
     bench.add_argument(
         "--batch-size",
         type=_positive_int,
@@ -174,7 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    audit = sub.add_parser("audit", help="audit a saved .keras model for mixed precision")
+    audit = sub.add_parser(
+        "audit",
+        help="audit a saved .keras model for mixed precision",
+        description="Audits a saved .keras (or .h5) model as it was saved, under the policy its "
+        "layers were saved with (or --policy), without running code from the file: which "
+        "layers must stay float32, loss scaling, float8, alignment and CPU kernels. Exit "
+        "codes: 0 no error (warnings and info allowed), 1 an error found, 2 the file cannot "
+        "be audited.",
+    )
     audit.add_argument("model", help="path to a .keras file")
     audit.add_argument(
         "--policy",

@@ -943,3 +943,17 @@ def test_bare_command_in_process_prints_the_help(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: tfmixprec [-h] COMMAND ...")
     assert "demo" in out and "audit" in out
+
+
+def test_audit_and_bench_help_describe_themselves(capsys):
+    """Issue 47 item 16: audit's help says what it checks and its exit codes; bench's --size
+    its default."""
+    from _tfmixprec_args import build_parser
+
+    for args in (["audit", "--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(args)
+        assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Exit codes: 0 no error (warnings and info allowed), 1 an error found, 2 the file" in out
+    assert "--size SIZE built-in model width (default: 1024)" in out
