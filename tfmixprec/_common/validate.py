@@ -37,7 +37,7 @@ def check_int_at_least_one(name: str, value: Any) -> int:
 def check_update_freq(value: Any) -> str | int:
     """Returns a callback's `update_freq` as Keras's `TensorBoard` takes it: `"epoch"`,
     `"batch"`, or an int >= 1 (an integral float as an int)."""
-    if value in ("epoch", "batch") and isinstance(value, str):
+    if isinstance(value, str) and value in ("epoch", "batch"):
         return value
     try:
         return check_int_at_least_one("update_freq", value)

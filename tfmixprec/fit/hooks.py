@@ -82,14 +82,15 @@ class Diagnoser:
 
 
 def record_stop(model: Any, step: int, message: str) -> None:
-    """Records that `OverflowGuard` stopped training `model` at `step` (0-based, skipped steps
-    counted), for `tfmixprec.TensorBoard`'s events (a host-side list on the model)."""
+    """Records that `OverflowGuard` stopped training `model` after `step` steps (its
+    `stopped_step`: steps attempted, skipped ones counted), for `tfmixprec.TensorBoard`'s
+    events (a host-side list on the model)."""
     model.__dict__["_tfmixprec_stops"] = (*stops_of(model), (step, message))
 
 
 def stops_of(model: Any) -> tuple[tuple[int, str], ...]:
     """The `OverflowGuard` stops of `model` so far (in this process), oldest first: each
-    `(step, message)`."""
+    `(stopped_step, message)`."""
     return tuple(vars(model).get("_tfmixprec_stops", ()))
 
 
