@@ -115,11 +115,8 @@ def _add_demo(sub: Any) -> None:
 
 def _add_bench(sub: Any) -> None:
     """The `bench` subcommand's arguments."""
-    bench = sub.add_parser(
-        "bench",
-        help="step time and throughput per policy, side by side",
-        description=BENCH_DESCRIPTION,
-    )
+    what = "step time and throughput per policy, side by side"
+    bench = sub.add_parser("bench", help=what, description=BENCH_DESCRIPTION)
     bench.add_argument(
         "--model",
         type=_bench_model,
@@ -135,9 +132,8 @@ def _add_bench(sub: Any) -> None:
         help="default: float32 mixed_bfloat16 auto (built in); float32 mixed_bfloat16 "
         "mixed_float16 (other models)",
     )
-    bench.add_argument(
-        "--size", type=_positive_int, default=1024, help="built-in model width (default: 1024)"
-    )
+    width = "the built-in model's width (default: 1024)"
+    bench.add_argument("--size", type=_positive_int, default=1024, help=width)
     bench.add_argument(
         "--batch-size",
         type=_positive_int,

@@ -956,4 +956,4 @@ def test_audit_and_bench_help_describe_themselves(capsys):
         assert exit_.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "Exit codes: 0 no error (warnings and info allowed), 1 an error found, 2 the file" in out
-    assert "--size SIZE built-in model width (default: 1024)" in out
+    assert "--size SIZE the built-in model's width (default: 1024)" in out
