@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import re
 import sys
 import warnings
@@ -253,6 +254,7 @@ def policy_scope(name: str, hardware: HardwareInfo | None = None) -> Iterator[An
         restore_global_policy(previous)
 
 
+@functools.cache
 def _known_activations() -> dict[Any, str]:
     """The softmax-like functions by what they are, not their `__name__`: TensorFlow's
     `tf.nn.softmax` is named `softmax_v2`, `tf.math.sigmoid` `sigmoid`, Keras's ops their own."""
