@@ -17,8 +17,8 @@ def test_doctor_report_prints_and_warns(capsys):
     assert report.recommended_policy == "mixed_bfloat16"
     assert report.current_policy == "mixed_float16"
     assert len(report.warnings) == 1
-    assert "routes around the float16 kernels slow on this CPU" in report.warnings[0]
-    assert "for speed on this machine use 'mixed_bfloat16'" in report.warnings[0].lower()
+    assert "MixedPrecisionModel, which routes around the slow kernels" in report.warnings[0]
+    assert "For speed use 'mixed_bfloat16'" in report.warnings[0]
     assert f"TensorFlow        {tf.__version__}" in out
     assert "CPU bfloat16      yes (AVX512_BF16: no, AMX_BF16: yes)" in out
     assert "CPU float16       no (AVX512_FP16: no, AMX_FP16: no)" in out
@@ -28,7 +28,7 @@ def test_doctor_report_prints_and_warns(capsys):
         "float32 attention (tfmixprec.cpu_float16)"
     ) in out
     assert "recommended       mixed_bfloat16: no GPU" in out
-    assert "WARNING: mixed_float16 without a GPU is at best about as fast as float32" in out
+    assert "WARNING: mixed_float16 without a GPU trains at best as fast as float32" in out
     assert '"float16 on CPUs" (docs/guides/float16-on-cpus.md in the tfmixprec repository).' in out
     # One message: doctor says what set_policy("mixed_float16") warns on this hardware.
     assert report.warnings[0] == tfmixprec.policy.float16_without_gpu_note(hw)
@@ -61,7 +61,9 @@ def test_doctor_says_when_the_cpu_float16_workarounds_are_off():
         report = tfmixprec.doctor(HardwareInfo(cpu_name="Test CPU"), print_report=False)
     finally:
         tfmixprec.cpu_float16.enable()
-    assert "slow float16 CPU kernels are off" in report.warnings[0]
+    assert "tfmixprec's routes around them are off: tfmixprec.cpu_float16.enable()." in (
+        report.warnings[0]
+    )
 
 
 def test_doctor_warns_xla_with_bfloat16_on_amx():
@@ -85,8 +87,15 @@ def test_doctor_says_which_float16_routes_a_cpu_with_avx512_fp16_gets():
         "  float16 routes    the fused MatMul off, float32 convolution, float32 attention, "
         "float16 matmuls native (AVX512_FP16) (tfmixprec.cpu_float16)"
     ) in lines
-    assert report.float16_routes == ["float32 convolution", "float32 attention"]
-    assert report.to_dict()["hardware"]["cpu_flags"] == ["amx_bf16", "avx512_bf16", "avx512_fp16"]
+    assert report.float16_routes == [
+        "the fused MatMul off",
+        "float32 convolution",
+        "float32 attention",
+    ]
+    data = report.to_dict()  # doctor --json says what the text says
+    assert data["float16_routes"] == report.float16_routes
+    assert data["hardware"]["cpu_float16_matmuls_native"] is True
+    assert data["hardware"]["cpu_flags"] == ["amx_bf16", "avx512_bf16", "avx512_fp16"]
 
 
 def test_doctor_float16_routes_off_and_on_a_gpu():
@@ -99,6 +108,7 @@ def test_doctor_float16_routes_off_and_on_a_gpu():
     assert "float16 routes    off (tfmixprec.cpu_float16.enable() turns them on)" in str(report)
     report = tfmixprec.doctor(HardwareInfo(gpus=(GPUInfo("A100", (8, 0)),)), print_report=False)
     assert "float16 routes    none on this machine" in str(report)
+    assert report.float16_routes == []
 
 
 def test_doctor_agrees_with_the_readme_on_mobilenet():

@@ -46,6 +46,7 @@ def test_doctor():
     assert code == 0
     assert out.startswith("tfmixprec doctor")
     assert re.search(r"recommended\s+(mixed_float16|mixed_bfloat16|float32): ", out)
+    routes_line = next(line for line in out.splitlines() if "float16 routes" in line)
     code, out, _ = run("doctor", "--json")
     data = json.loads(out)
     assert code == 0 and data["recommended_policy"] in (
@@ -53,6 +54,9 @@ def test_doctor():
         "mixed_bfloat16",
         "float32",
     )
+    # --json holds what the text shows: every float16 route, the fused MatMul off among them
+    assert ("the fused MatMul off" in routes_line) == ("the fused MatMul off" in str(data))
+    assert all(route in routes_line for route in data["float16_routes"])
 
 
 @pytest.fixture(scope="module")
@@ -927,12 +931,12 @@ def test_demo_with_float16_without_a_gpu_says_what_is_faster(tmp_path):
     code, out, err = _run_command([str(SCRIPT), *args, "--logdir", str(tmp_path / "runs")])
     assert code == 0, err[-2000:]
     assert out.startswith("policy: mixed_float16\n")
-    warning = "tfmixprec: UserWarning: mixed_float16 without a GPU is at best about as fast as"
+    warning = "tfmixprec: UserWarning: mixed_float16 without a GPU trains at best as fast as"
     assert [line for line in err.splitlines() if "UserWarning" in line][0].startswith(warning)
     assert err.count(warning) == 1 and "cli.py" not in err  # one line, no source position
     faster = tfmixprec.choose_policy().name
-    assert f"for speed on this machine use {faster!r}" in err
-    assert "tfmixprec.cpu_float16 routes around the float16 kernels slow on this CPU" in err
+    assert f"For speed use {faster!r}" in err
+    assert "to keep float16, train a MixedPrecisionModel" in err
     assert HIDDEN_TF_LINE.findall(err) == []  # TensorFlow's ERROR lines may come (any CPU)
 
 

@@ -25,6 +25,8 @@ from tfmixprec.precision.policy import choose_policy, float16_without_gpu_note
 
 __all__ = ["DoctorReport", "doctor"]
 
+FUSED_MATMUL_OFF = "the fused MatMul off"  # cpu_float16's remapper switch, the first float16 route
+
 
 @dataclasses.dataclass
 class DoctorReport:
@@ -38,12 +40,15 @@ class DoctorReport:
     current_policy: str
     warnings: list[str]
     bfloat16_routes: list[str] = dataclasses.field(default_factory=list)
+    # what cpu_float16 does on this CPU when a model computes in float16: the fused MatMul off
+    # first, then the routes' names
     float16_routes: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         flags = set(BF16_CPU_FLAGS + FP16_CPU_FLAGS)
         data["hardware"]["cpu_flags"] = sorted(self.hardware.cpu_flags & flags)
+        data["hardware"]["cpu_float16_matmuls_native"] = self.hardware.cpu_float16
         data["hardware"]["gpus"] = [
             {
                 "name": g.name,
@@ -92,11 +97,18 @@ class DoctorReport:
     def _float16_routes_line(self) -> str:
         native = ", float16 matmuls native (AVX512_FP16)" if self.hardware.cpu_float16 else ""
         if self.float16_routes:
-            routes = ", ".join(self.float16_routes)
-            return f"the fused MatMul off, {routes}{native} (tfmixprec.cpu_float16)"
+            return f"{', '.join(self.float16_routes)}{native} (tfmixprec.cpu_float16)"
         if cpu_float16.routes_on(self.hardware):
             return "off (tfmixprec.cpu_float16.enable() turns them on)"
         return "none on this machine"
+
+
+def _float16_routes(status: dict[str, Any], hardware: HardwareInfo) -> list[str]:
+    """What `cpu_float16` does for a float16 model here: nothing where it is off or on a GPU
+    machine; else the fused MatMul off (on every CPU), then this CPU's routes."""
+    if not status["enabled"] or hardware.gpus or hardware.tpus:
+        return []
+    return [FUSED_MATMUL_OFF, *status["routes"]]
 
 
 def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> DoctorReport:
@@ -143,7 +155,7 @@ def doctor(hardware: HardwareInfo | None = None, print_report: bool = True) -> D
         current_policy=current,
         warnings=warnings,
         bfloat16_routes=routes["routes"] if routes["enabled"] else [],
-        float16_routes=float16["routes"] if float16["enabled"] else [],
+        float16_routes=_float16_routes(float16, hardware),
     )
     if print_report:
         print(report)

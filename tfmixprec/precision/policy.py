@@ -189,25 +189,18 @@ def set_policy(name: str | keras.DTypePolicy, hardware: HardwareInfo | None = No
 
 def float16_without_gpu_note(hardware: HardwareInfo) -> str:
     """Why `mixed_float16` is slow on a machine without a GPU and what to do (said by
-    `set_policy`'s warning and by `doctor`): two sentences and the docs page."""
-    head = (
-        "mixed_float16 without a GPU is at best about as fast as float32: for speed on this "
-        f"machine use {choose_policy(hardware).name!r} (tfmixprec.set_policy('auto') picks it). "
-    )
-    if not cpu_float16.applies("mixed_float16", hardware):
-        fix = (
-            "tfmixprec's routes around TensorFlow's slow float16 CPU kernels are off; "
-            "tfmixprec.cpu_float16.enable() turns them on."
-        )
+    `set_policy`'s warning and by `doctor`, whose routes line lists what `cpu_float16` does
+    here): what in one sentence, the fix in one, and the docs page; under 400 characters."""
+    faster = choose_policy(hardware).name
+    if cpu_float16.applies("mixed_float16", hardware):
+        keep = "to keep float16, train a MixedPrecisionModel, which routes around the slow kernels"
     else:
-        routes = ", ".join(r.name for r in cpu_float16.routes_on(hardware))
-        native = ", float16 matmuls native (AVX512_FP16)" if hardware.cpu_float16 else ""
-        fix = (
-            "tfmixprec.cpu_float16 routes around the float16 kernels slow on this CPU (the fused "
-            f"MatMul off, {routes}{native}) in MixedPrecisionModel and make_train_step; for a "
-            "plain keras.Model call tfmixprec.cpu_float16.fast_float16_layers(model)."
-        )
-    return f"{head}{fix} {docs_page('guides/float16-on-cpus')}"
+        keep = "tfmixprec's routes around them are off: tfmixprec.cpu_float16.enable()"
+    return (
+        "mixed_float16 without a GPU trains at best as fast as float32 (slow float16 CPU "
+        f"kernels). For speed use {faster!r} (set_policy('auto') picks it); {keep}. "
+        f"{docs_page('guides/float16-on-cpus')}"
+    )
 
 
 def _user_stacklevel() -> int:
