@@ -270,6 +270,14 @@ def start_tensorflow() -> None:
     Does nothing more once TensorFlow is imported.
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import_tensorflow_quietly()
+
+
+def import_tensorflow_quietly() -> None:
+    """What `import tfmixprec` does first: imports TensorFlow and lists its physical devices,
+    when nothing has imported it yet, without the start-up lines this process's
+    TF_CPP_MIN_LOG_LEVEL hides (unset: all are shown, as TensorFlow shows them). Sets nothing;
+    a program may still configure its logical devices afterwards."""
     if "tensorflow" in sys.modules:
         return
     with _filtered_stderr(_min_log_level()):

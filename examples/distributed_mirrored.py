@@ -14,12 +14,13 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# tfmixprec first: it imports TensorFlow without the start-up lines this log level hides
+import tfmixprec  # noqa: E402, I001
 import tensorflow as tf  # noqa: E402
 
 
 def make_strategy() -> tf.distribute.MirroredStrategy:
-    gpus = tf.config.list_physical_devices("GPU")
-    if len(gpus) >= 2:
+    if len(tf.config.list_physical_devices("GPU")) >= 2:
         return tf.distribute.MirroredStrategy()
     cpus = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(
@@ -31,8 +32,6 @@ def make_strategy() -> tf.distribute.MirroredStrategy:
 def build_model(strategy: tf.distribute.MirroredStrategy):
     """A small regression model, created and compiled under `strategy`."""
     import keras
-
-    import tfmixprec
 
     with strategy.scope():
         keras.utils.set_random_seed(0)
@@ -63,8 +62,6 @@ def main(argv: list[str] | None = None) -> dict:
     strategy = make_strategy()  # before anything else touches the devices
 
     import numpy as np
-
-    import tfmixprec
 
     policy = tfmixprec.set_policy(args.policy)
     print(f"replicas: {strategy.num_replicas_in_sync}, policy: {policy.name}")

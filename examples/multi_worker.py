@@ -29,6 +29,8 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# tfmixprec first: it imports TensorFlow without the start-up lines this log level hides
+import tfmixprec  # noqa: E402, I001
 import tensorflow as tf  # noqa: E402
 
 
@@ -97,8 +99,6 @@ def build_model(strategy: tf.distribute.Strategy, accumulation_steps: int):
     """A 64-64-10 classifier under the current policy, built and compiled in the scope."""
     import keras
 
-    import tfmixprec
-
     with strategy.scope():
         keras.utils.set_random_seed(0)  # the same initial weights on every worker
         inputs = keras.Input((64,))
@@ -118,8 +118,6 @@ def build_model(strategy: tf.distribute.Strategy, accumulation_steps: int):
 def make_callbacks(strategy: tf.distribute.Strategy, out: str, task: str) -> list:
     """The callbacks of every worker; the checkpoint on the chief only."""
     import keras
-
-    import tfmixprec
 
     chief = strategy.extended.should_checkpoint
     callbacks = [
@@ -145,7 +143,6 @@ def fingerprint(model) -> str:
 
 
 def train(args: argparse.Namespace, strategy: tf.distribute.Strategy) -> dict:
-    import tfmixprec
 
     resolver = strategy.cluster_resolver  # task None without TF_CONFIG: one worker
     index = resolver.task_id or 0

@@ -17,10 +17,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# tfmixprec first: it imports TensorFlow without the start-up lines this log level hides
+import tfmixprec  # noqa: E402, I001
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-
-import tfmixprec  # noqa: E402
 
 
 def make_data() -> tuple[np.ndarray, np.ndarray]:

@@ -10,6 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# What TensorFlow prints while it starts (absl's banner, INFO/WARNING lines, cuInit's ERROR
+# without a driver); a oneDNN ERROR line on some CPUs is TensorFlow's own, not start-up.
+STARTUP_LINE = re.compile(
+    r"^[IW]\d{4} [\d:.]+\s+\d+ \S+:\d+\] .*|.*absl::InitializeLog.*|.*failed call to cuInit.*",
+    re.M,
+)
 
 
 def _run(script, *args, timeout=300):
@@ -23,6 +29,8 @@ def _run(script, *args, timeout=300):
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    # tfmixprec, imported first, starts TensorFlow without the start-up lines level 2 hides
+    assert STARTUP_LINE.findall(result.stderr) == [], result.stderr[-3000:]
     return result.stdout
 
 

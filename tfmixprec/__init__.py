@@ -7,6 +7,10 @@ this module imports, one name per line.
 
 import sys
 
+import _tfmixprec_args
+
+_tfmixprec_args.import_tensorflow_quietly()  # first: TensorFlow without its start-up lines
+
 from tfmixprec._moved import install
 
 from tfmixprec.precision import cpu_bfloat16

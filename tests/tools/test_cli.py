@@ -860,6 +860,21 @@ def test_doctor_starts_tensorflow_quietly():
     assert "rebuild TensorFlow with the appropriate compiler flags" not in err
 
 
+def test_import_tfmixprec_starts_tensorflow_without_the_lines_the_level_hides():
+    """`import tfmixprec` first, with TF_CPP_MIN_LOG_LEVEL=2 as the examples set it: none of
+    TensorFlow's start-up lines (absl's banner, INFO, cuInit's ERROR without a driver), and a
+    program may still configure its logical devices after it."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    code = (
+        "import tfmixprec, tensorflow as tf; cpu = tf.config.list_physical_devices('CPU')[0]; "
+        "tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()]"
+        " * 2); print(len(tf.config.list_logical_devices('CPU')))"
+    )
+    status, out, err = _run_command([sys.executable, "-c", code], env=env)
+    assert status == 0 and out == "2\n", err
+    assert HIDDEN_TF_LINE.findall(err) == [] and "failed call to cuInit" not in err, err
+
+
 # What TensorFlow 2.21 wrote to stderr while starting on a 2-core AMD EPYC without a GPU
 # (tfmixprec doctor, no TF_CPP_MIN_LOG_LEVEL), then a line that is no log line.
 STARTUP = (
