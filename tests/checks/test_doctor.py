@@ -61,8 +61,9 @@ def test_doctor_says_when_the_cpu_float16_workarounds_are_off():
         report = tfmixprec.doctor(HardwareInfo(cpu_name="Test CPU"), print_report=False)
     finally:
         tfmixprec.cpu_float16.enable()
-    assert "tfmixprec's routes around them are off: tfmixprec.cpu_float16.enable()." in (
-        report.warnings[0]
+    assert (
+        "tfmixprec's routes around them are off: tfmixprec.cpu_float16.enable()."
+        in (report.warnings[0])
     )
 
 
