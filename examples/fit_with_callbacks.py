@@ -58,10 +58,14 @@ def print_result(result: dict, state: dict, stats: tfmixprec.GradientRangeStats)
         f"overflow steps {result['overflow_steps']} (the NaN batch, once per epoch), "
         f"{scale}, guard stopped: {result['guard_stopped']}"
     )
+    # recommend_loss_scale: the smallest power of two that lifts all but the smallest 1% of
+    # these (unscaled) gradients into float16's normal range, the largest kept below 65504;
+    # the dynamic scale may sit above it, and below the overflow point.
     advice = (
         "no loss scale needed (bfloat16 has float32's range)"
         if bfloat16
-        else f"recommended loss scale {result['recommended_scale']:g}"
+        else f"smallest sufficient loss scale {result['recommended_scale']:g} (lifts 99% of them "
+        f"into float16's normal range; training at {state['loss_scale']:g})"
     )
     print(
         f"weight gradients: {stats.underflow_fraction:.2%} below 2^-24, "

@@ -258,6 +258,19 @@ def test_every_block_is_checked():
         page_blocks(path)
 
 
+def test_python_blocks_read_as_written_not_as_a_formatter_wrapped_them():
+    """A comment too long for its line goes above the code: a formatter otherwise splits the
+    call around it (`set_policy(\n    "auto"\n)  # ...`)."""
+    for path in PAGES:
+        for block in page_blocks(path):
+            if block.lang != "python":
+                continue
+            for number, line in enumerate(block.source.splitlines()):
+                assert not re.match(r"\s*[)\]}]+,?\s+#", line), (
+                    f"{_name(path)}, line {block.line + 1 + number}: {line.strip()!r}"
+                )
+
+
 def test_pages_show_code_and_outputs():
     """Each guide shows code that runs and at least one output it prints."""
     for path in PAGES:

@@ -71,7 +71,12 @@ def test_fit_with_callbacks_example(policy):
         assert out.rstrip().endswith("zero; no loss scale needed (bfloat16 has float32's range)")
     else:
         assert re.search(r"once per epoch\), loss scale \d+, guard stopped", out)
-        assert re.search(r"zero; recommended loss scale \d+$", out.rstrip())
+        scale = re.search(r"once per epoch\), loss scale (\d+),", out).group(1)
+        assert re.search(
+            r"zero; smallest sufficient loss scale \d+ \(lifts 99% of them into float16's normal "
+            rf"range; training at {scale}\)$",
+            out.rstrip(),
+        )
     assert "guard stopped: False" in out
     accuracy = float(out.split("test accuracy ")[1].split()[0])
     assert accuracy > 0.8
