@@ -1,5 +1,5 @@
-"""Where `PrecisionRepair` restarts the loss scale, and where a repair lands when one call of
-the train function runs several steps (`steps_per_execution`)."""
+"""Where `PrecisionRepair` restarts the loss scale, where a repair lands when one call of the
+train function runs several steps (`steps_per_execution`), and what a moved layer keeps."""
 
 import keras
 import numpy as np
@@ -8,6 +8,8 @@ from overflow_models import C, overflowing
 from overflow_models import model as overflow_model
 
 import tfmixprec
+from tfmixprec.precision import cpu_float16
+from tfmixprec.precision.cpu_route import route_of
 
 MAX_SCALE = tfmixprec.LossScaleConfig().max_scale  # 2^24
 
@@ -60,3 +62,21 @@ def test_with_several_steps_an_execution_the_repair_lands_at_its_end():
     state = model.optimizer.read_state()
     assert (state["overflow_steps"], state["iterations"]) == (8, 8)
     assert np.isfinite(model.predict(x[:8], verbose=0)).all()
+
+
+@pytest.mark.parametrize("cls", [keras.Model, tfmixprec.MixedPrecisionModel])
+def test_a_layer_the_repair_moves_to_float32_leaves_its_float16_cpu_route(cls):
+    """A route computes a float16 layer's product in float32 around a slow CPU kernel: a
+    layer that now computes in float32 takes the class's method again, and `route_of` says
+    so; the layers left in float16 keep theirs."""
+    model = overflow_model("flows", cls=cls)
+    no_fp16 = tfmixprec.HardwareInfo(cpu_name="Test CPU")  # Dense is routed on such a CPU
+    cpu_float16.fast_float16_layers(model, hardware=no_fp16)
+    assert route_of(model.get_layer("big")) == "float32 product"
+    repair = tfmixprec.PrecisionRepair(verbose=0)
+    x, y = overflowing()
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[repair])
+    assert repair.repairs[0].layers == ("big", "proj")
+    routes = {name: route_of(model.get_layer(name)) for name in ("big", "proj", "after")}
+    assert routes == {"big": None, "proj": None, "after": "float32 product"}
+    assert "call" not in vars(model.get_layer("big"))  # the class's method, no instance one

@@ -19,6 +19,7 @@ from tfmixprec._common.observe import Observation, observe
 from tfmixprec._common.text import docs_page
 from tfmixprec._keras.settings import global_policy, restore_global_policy
 from tfmixprec.precision import cpu_float16
+from tfmixprec.precision.cpu_route import unroute
 from tfmixprec.precision.hardware import GPUInfo, HardwareInfo, detect_hardware
 
 __all__ = [
@@ -405,9 +406,11 @@ def compute_in_float32(
     give it, `float32` when None) and drops `model`'s traced functions (a `fit` in progress
     retraces with `model.make_train_function(force=True)`). Returns whether the model's saved
     config records the change (False: a reloaded model computes them in the policy's dtype
-    again; a KerasHub task's config holds its constructor's arguments)."""
+    again; a KerasHub task's config holds its constructor's arguments). A layer that took a
+    CPU route around a float16 or bfloat16 kernel takes it no more (the class's method)."""
     before = _saved_config(model)
     for layer in layers:
+        unroute(layer)
         layer.dtype_policy = keras.DTypePolicy("float32") if policy_of is None else policy_of(layer)
     forget_traced_functions(model)
     return before is None or _saved_config(model) != before
