@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._common.layers import iter_layers
+from tfmixprec._common.targets import made_up_targets
 from tfmixprec._common.validate import check_int_at_least_one
 from tfmixprec.fit.training import MixedPrecisionModel, route_slow_cpu_kernels
 from tfmixprec.precision import cpu_float16
@@ -39,7 +40,6 @@ from tfmixprec.precision.policy import (
     policy_scope,
 )
 from tfmixprec.tools import zoo
-from tfmixprec.tools.targets import made_up_targets
 
 # Internal module (used by `tfmixprec bench` and benchmarks/): the package exports nothing from it.
 __all__: list[str] = []

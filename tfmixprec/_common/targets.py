@@ -1,4 +1,5 @@
-"""Made-up targets that a compiled model's loss accepts, for `tfmixprec bench --model`.
+"""Made-up targets that a compiled model's loss accepts: `tfmixprec bench --model` trains on
+them, the audit's training call computes the loss on them.
 
 A classifier compiled with `sparse_categorical_crossentropy` takes integer labels, one a
 sample (the output's shape without its last axis); `categorical_crossentropy` one-hot rows;
@@ -6,7 +7,7 @@ a binary loss 0/1 targets; a regression loss values of the output's shape. The l
 from `model.loss` as `compile` got it: a name, a `keras.losses.Loss` object (its `fn`: the
 same Keras function for `SparseCategoricalCrossentropy(from_logits=True)`), a function, or
 one per output (a list, or a dict by output name). A loss that is not Keras's own gets zeros
-of the output's shape, and bench says so if the loss refuses them.
+of the output's shape (bench says so if the loss refuses them).
 """
 
 from __future__ import annotations
