@@ -176,3 +176,27 @@ def test_the_audit_command_fails_a_saved_moe_decoder(tmp_path):
     (line,) = [line for line in out.splitlines() if line.startswith("ERROR")]
     assert line.startswith("ERROR   dtype-clash [mixtral_sparse_moe_block")
     assert "every training step raises" in line
+
+
+class Counts(keras.layers.Layer):
+    """In training calls only, multiplies by an int32 tensor: no layer in float32 helps."""
+
+    def call(self, x, training=None):
+        return tf.multiply(x, tf.ones_like(x, dtype="int32")) if training else x
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+def test_a_clash_no_float32_layer_fixes_says_to_cast():
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((4,))
+        hidden = Counts(name="counts")(keras.layers.Dense(4, name="hidden")(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1, name="out", dtype="float32")(hidden))
+    model.compile(tfmixprec.LossScaleOptimizer(keras.optimizers.SGD()), "mse")
+    (finding,) = tfmixprec.audit(model).errors
+    assert (finding.code, finding.layer) == ("dtype-clash", "counts")
+    assert "Mul of a float16 and an int32 tensor" in finding.message
+    assert finding.fix == (
+        "Cast the tensor to the other dtype in that code: no layer in float32 helps."
+    )
