@@ -233,3 +233,47 @@ def test_per_variable_state_follows_the_variables_of_a_reloaded_float8_model(tmp
     assert "b: the float8 inputs amax history, outputs_grad amax history was not finite" in report
     assert sums(loaded.optimizer) == sums(opt)
     assert any(np.any(v.numpy()) for v in loaded.optimizer.variables if "accumulated" in v.path)
+
+
+def _compiled(kind, accumulation):
+    """A tiny model of `kind` ("keras": a plain `keras.Model`; "mixed": a
+    `MixedPrecisionModel`), compiled with a `LossScaleOptimizer` and built."""
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(2)(inputs)
+    cls = keras.Model if kind == "keras" else tfmixprec.MixedPrecisionModel
+    model = cls(inputs, outputs)
+    extra = {"accumulation_steps": accumulation} if accumulation > 1 else {}
+    model.compile(tfmixprec.LossScaleOptimizer(keras.optimizers.Adam(), **extra), "mse")
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+@pytest.mark.parametrize("skip_mismatch", [False, True])
+@pytest.mark.parametrize("kind", ["keras", "mixed"])
+def test_a_refused_load_weights_leaves_every_optimizer_variable_as_it_was(
+    tmp_path, kind, skip_mismatch
+):
+    """A file whose optimizer state does not fit (saved without accumulation, loaded into an
+    accumulating optimizer): Keras's saving walk loaded the inner optimizer again as a child
+    after the refusal, moving `iterations` from 0 to 3. Every optimizer variable, the inner
+    optimizer's included, is now bit-identical to before; a file that fits loads all of it."""
+    saved = _compiled(kind, accumulation=1)
+    saved.fit(np.ones((24, 3)), np.zeros((24, 2)), batch_size=8, verbose=0)
+    path = tmp_path / "m.weights.h5"
+    saved.save_weights(path)
+    model = _compiled(kind, accumulation=2)
+    before = [v.numpy().tobytes() for v in model.optimizer.variables]
+    refusal = "this optimizer accumulates gradients and the file's did not"
+    if skip_mismatch:
+        with pytest.warns(UserWarning, match=refusal):
+            model.load_weights(path, skip_mismatch=True)
+    else:
+        with pytest.raises(ValueError, match=refusal):
+            model.load_weights(path)
+    assert [v.numpy().tobytes() for v in model.optimizer.variables] == before
+    assert int(model.optimizer.iterations) == 0
+    fits = _compiled(kind, accumulation=1)
+    fits.load_weights(path)
+    for mine, theirs in zip(fits.optimizer.variables, saved.optimizer.variables):
+        assert mine.numpy().tobytes() == theirs.numpy().tobytes(), mine.path
+    assert int(fits.optimizer.iterations) == 3

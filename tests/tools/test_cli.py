@@ -375,9 +375,13 @@ def two_inputs():
     return model
 
 
+def my_sparse_loss(y_true, y_pred):  # not Keras's: bench cannot tell it takes integer labels
+    return keras.losses.sparse_categorical_crossentropy(y_true, y_pred)
+
+
 def sparse_labels():  # its loss needs integer labels: bench's made-up targets do not fit
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
-    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.compile(optimizer="sgd", loss=my_sparse_loss)
     return model
 
 
@@ -406,6 +410,20 @@ def call_fails():  # traces fine; its call fails on bench's made-up N(0, 1) inpu
     inputs = keras.Input((16,))
     model = keras.Model(inputs, keras.layers.Dense(4)(NonNegative()(inputs)), name="checks")
     model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+class FailsInTraining(keras.layers.Layer):
+    def call(self, x, training=None):
+        if training:
+            tf.debugging.assert_less(tf.reduce_max(x), x.dtype.min, message="fails in training")
+        return x
+
+
+def train_fails():  # builds and computes its loss; its training step fails
+    inputs = keras.Input((16,))
+    model = keras.Model(inputs, keras.layers.Dense(4)(FailsInTraining()(inputs)), name="trains")
+    model.compile(optimizer="sgd", loss="mse")
     return model
 
 
@@ -673,16 +691,17 @@ BAD_BENCH_INPUTS = {
     "loss-does-not-take-the-made-up-targets": (
         ["--model", "models.py:sparse_labels"],
         re.escape(
-            "--model 'models.py:sparse_labels': training its model (on made-up data unless "
-            "it returns (model, x, y)) raised ValueError: "
+            "--model 'models.py:sparse_labels': computing its loss on made-up targets (float32 "
+            "zeros shaped like the output) raised ValueError: "
         )
-        + ".+"
-        + THERE,
+        + ".+ "
+        + RETURN_DATA,
     ),
     # float16 without a GPU turns grappler's remapper off: it is on again after the error.
     "fails-under-float16": (
-        ["--model", "models.py:sparse_labels", "--policies", "mixed_float16"],
-        r"--model 'models\.py:sparse_labels': training its model .+ raised ValueError: .+" + THERE,
+        ["--model", "models.py:train_fails", "--policies", "mixed_float16"],
+        r"--model 'models\.py:train_fails': training its model .+ raised InvalidArgumentError: "
+        r"assertion failed: \[fails in training\].+" + THERE,
     ),
 }
 

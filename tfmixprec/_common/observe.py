@@ -171,7 +171,7 @@ def observe(model: keras.Model) -> Observation:
             dict of tensors), or whose call fails on the batch of zeros.
     """
     graph_outputs = _graph_outputs(model)
-    inputs = _zeros_like_inputs(model)
+    inputs = zeros_like_inputs(model)
     recorder = _CallRecorder()
     with CALLS_LOCK, state_put_back(model):
         try:
@@ -256,7 +256,7 @@ def tensor_bytes(shape: Any, dtype: str) -> int:
 
 
 def _input_specs(model: keras.Model) -> list[tuple[Any, str]]:
-    """`(shape, dtype)` of each input `observe` makes zeros for (see `_zeros_like_inputs`)."""
+    """`(shape, dtype)` of each input `observe` makes zeros for (see `zeros_like_inputs`)."""
     try:
         specs = keras.tree.flatten(model.input)
     except (AttributeError, ValueError):
@@ -399,7 +399,7 @@ def _size(dim: int | None) -> int:
     return UNKNOWN_SIZE if dim is None else dim
 
 
-def _zeros_like_inputs(model: keras.Model) -> Any:
+def zeros_like_inputs(model: keras.Model) -> Any:
     """A batch of zeros in the structure, shapes and dtypes of the model's inputs (unknown
     sizes `UNKNOWN_SIZE`)."""
     try:

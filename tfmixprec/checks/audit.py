@@ -31,6 +31,7 @@ from tfmixprec._common.text import docs_page, first_few, markdown_table
 from tfmixprec._keras.graph import all_sublayers
 from tfmixprec._keras.settings import settings_kept
 from tfmixprec.checks.model_file import load_model_file
+from tfmixprec.checks.training_call import training_clash
 from tfmixprec.precision import cpu_bfloat16, cpu_float16, float8, float8_recipe
 from tfmixprec.precision.cpu_route import route_of
 from tfmixprec.precision.hardware import HardwareInfo, detect_hardware
@@ -642,6 +643,24 @@ def _nonfinite_source(model: keras.Model, call: LayerCall) -> Any:
     return min(around, key=lambda outer: len(all_sublayers(outer)), default=call.layer)
 
 
+def _dtype_clash(model: keras.Model, context: _AuditContext) -> list[Finding]:
+    """`dtype-clash` (error): a float16/bfloat16 model whose training call on zeros raises
+    because its own code mixes dtypes (`training_call`), with the layers `calibrate` would
+    compute in float32. Not tried where the inference call did not run."""
+    observation = context.observation
+    low = any(context.compute_dtype(layer) in LOW_PRECISION for layer in context.leaves)
+    if not low or not observation.called or observation.error is not None:
+        return []
+    follow = [lyr for lyr in (model, *context.layers) if id(lyr.dtype_policy) in context.followers]
+    swapped = follow if context.policy is not None else []
+    with policies_swapped(swapped, context.policy or context.model_policy):
+        found = training_clash(model)
+    if found is None:
+        return []
+    layer = None if found.clash.layer is None else found.clash.layer.name
+    return [Finding("error", "dtype-clash", layer, found.message(), found.fix())]
+
+
 def _float32_on_purpose(model: keras.Model, context: _AuditContext) -> list[Finding]:
     """`float32-on-purpose` (info): layers that `calibrate` or `PrecisionRepair` set to
     float32 because their values pass float16's range (recorded on the model in this
@@ -853,6 +872,7 @@ CHECKS: tuple[tuple[str, _Check], ...] = (
     ("layer", _float8_misaligned),
     ("model", _output_outside_layers),
     ("model", _nonfinite_output),
+    ("model", _dtype_clash),  # a training call on zeros raises: the model cannot train
     ("model", _unobserved),
     ("model", _float32_on_purpose),
     ("model", _loss_scaling),  # not-compiled / no-loss-scaling
@@ -976,7 +996,10 @@ def audit(
     """Checks a built model for mixed-precision problems.
 
     Calls the model once on a batch of zeros (inference mode; nothing changes) and judges
-    what the call shows. Flags: model outputs a real call returns in float16 or bfloat16
+    what the call shows; a float16/bfloat16 model is replayed once in training mode too (its
+    loss, no gradients, nothing changes): a dtype clash of its own code there, which makes
+    every training step raise, is an error (`dtype-clash`, with the layers `calibrate`
+    would compute in float32). Flags: model outputs a real call returns in float16 or bfloat16
     (error: `low-precision-softmax` for a softmax/sigmoid/log-softmax output layer,
     `low-precision-output` otherwise), since the loss sees them; a softmax inside the model
     (an attention's, say) feeds float16/bfloat16 layers and is not flagged (measured:

@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._common.layers import iter_layers
+from tfmixprec._common.targets import made_up_targets
 from tfmixprec._common.validate import check_int_at_least_one
 from tfmixprec.fit.training import MixedPrecisionModel, route_slow_cpu_kernels
 from tfmixprec.precision import cpu_float16
@@ -713,6 +714,7 @@ def _import(where: str) -> Any:
 
 
 _FIX_THERE = "Fix it there (run it in Python for the traceback)."
+_RETURN_DATA = "Return (model, x, y) from your function."
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Keras's bold in its call errors
 # TensorFlow's and Keras's wrapping around a message: the graph's traceback, the node and op.
 _WRAPPING = re.compile(
@@ -824,11 +826,12 @@ def synthetic_inputs(model: keras.Model, batch: int, seed: int = 0, source: str 
         return keras.tree.map_structure(value, inputs)
 
 
-def synthetic_targets(model: keras.Model, x: Any) -> Any:
-    """Targets of zeros shaped like `model`'s outputs on `x` (one inference call: the
-    model's own code runs, so call it where its errors are the user's)."""
+def synthetic_targets(model: keras.Model, x: Any) -> tuple[Any, Any, str]:
+    """`model`'s outputs on `x` (one inference call: the model's own code runs, so call it
+    where its errors are the user's), targets its compiled loss accepts (`made_up_targets`:
+    integer labels for a sparse loss, ...) and what they are in words."""
     outputs = model(x, training=False)
-    return keras.tree.map_structure(lambda o: np.zeros(o.shape, "float32"), outputs)
+    return outputs, *made_up_targets(model, outputs)
 
 
 def _symbolic_inputs(source: str, model: keras.Model) -> Any:
@@ -873,8 +876,10 @@ def _model_and_batches(
     if not data:
         x = synthetic_inputs(model, batch, source=f"--model {spec!r}")
         made_up = "calling its model on made-up inputs (floats from N(0, 1), integers of ones)"
-        with _user_code(spec, made_up, "Return (model, x, y) from your function."):
-            y = synthetic_targets(model, x)
+        with _user_code(spec, made_up, _RETURN_DATA):
+            outputs, y, what = synthetic_targets(model, x)
+        with _user_code(spec, f"computing its loss on made-up targets ({what})", _RETURN_DATA):
+            model.compute_loss(x, y, outputs)
         return model, tf.data.Dataset.from_tensors(_tuples((x, y))).repeat(), batch
     data = _tuples(data)
     _check_samples(spec, data, batch)
@@ -908,7 +913,7 @@ def _check_samples(spec: str, data: tuple[Any, ...], batch: int) -> None:
 def model_source(spec: str, batch: int | None = None) -> ModelSource:
     """What `run_model_bench` benches for `spec`: a zoo model at its `"bench"` size, or the
     model a function builds (`load_function`), with its data or made-up inputs
-    (`synthetic_inputs`) and zero targets."""
+    (`synthetic_inputs`) and targets its loss accepts."""
     if spec in zoo.MODELS:
 
         def build_zoo() -> tuple[keras.Model, tf.data.Dataset, int]:
@@ -975,8 +980,8 @@ def run_model_bench(
         spec: String. A zoo name (`tfmixprec.zoo.MODELS`), or `MODULE:FUNCTION` /
             `FILE.py:FUNCTION`: a function that builds and compiles your model under the
             global policy it finds, returning the model (bench makes `synthetic_inputs` and
-            zero targets) or `(model, x, y)` / `(model, x, y, sample_weight)`. It is called
-            once per variant.
+            targets its loss accepts) or `(model, x, y)` / `(model, x, y, sample_weight)`. It
+            is called once per variant.
         policies: List of policy names (`"auto"` allowed); float32 is what ratios compare to.
         batch: Int. Batch size for a function's model (default 32); a zoo model uses its own.
         steps: Int. Steps per timed run.
