@@ -57,6 +57,15 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
     the finite flag, in cross-replica context where the strategy needs it).
     """
 
+    def __dir__(self) -> list[str]:
+        """Every attribute but `inner_optimizer`. Why: Keras's saving walk
+        (`saving_lib._walk_saveable`, Keras 3.12 to 3.15) finds an object's children through
+        `dir()`, and would load the inner optimizer again as a child after this optimizer's
+        `load_own_variables` refused the file (moving `iterations`, also with
+        `skip_mismatch=True`). tfmixprec's optimizer saves and loads the inner optimizer's
+        state with its own, so that a refusal assigns nothing."""
+        return [name for name in super().__dir__() if name != "inner_optimizer"]
+
     def check_step(self, grads: Sequence[Any], trainable_variables: Any) -> tuple[Any, Any]:
         raise NotImplementedError
 

@@ -644,12 +644,6 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         anything is assigned."""
         load(*self._own_and_inner(), store, f"optimizer {self.name!r}", self._trained())
 
-    def __dir__(self) -> list[str]:
-        """Every attribute but `inner_optimizer`, which Keras's saving walk (over `dir`)
-        would load again as a child after `load_own_variables`, even after it refused: the
-        inner optimizer's state is loaded with this one's (`inner_<i>`), or not at all."""
-        return [name for name in super().__dir__() if name != "inner_optimizer"]
-
     def _trained(self) -> list[Any]:
         """The variables it was built with (none before it is built)."""
         return self.tracked_variables() if self.built else []

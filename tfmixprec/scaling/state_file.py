@@ -66,6 +66,9 @@ LEGACY = {
 _SUMS = "accumulated_gradient"
 
 
+# What a refusal promises: the optimizer, whole (Keras loads a model's layers before it).
+NOTHING_LOADED = "No optimizer variable was assigned."
+
 def own_state(variables: Sequence[Any]) -> list[tuple[str, Any]]:
     """`(key, variable)` for the optimizer's own variables: their names, the accumulation
     sums numbered (`accumulated_gradient_0`, ...)."""
@@ -185,7 +188,7 @@ def _difference(missing: list[str], extra: list[str]) -> str:
         f"missing from the file: {missing or 'nothing'}; not in this optimizer: "
         f"{extra or 'nothing'}"
     )
-    return ". ".join(parts) + ". Nothing was loaded."
+    return ". ".join(parts) + f". {NOTHING_LOADED}"
 
 
 def _inner_plan(inner: Sequence[Any], values: list[Any]) -> list[tuple[Any, Any]]:
@@ -193,7 +196,7 @@ def _inner_plan(inner: Sequence[Any], values: list[Any]) -> list[tuple[Any, Any]
         raise ValueError(
             f"the file's inner optimizer has {len(values)} variables and this one's "
             f"{len(inner)} (another optimizer kind, or one built for other weights). "
-            "Nothing was loaded."
+            f"{NOTHING_LOADED}"
         )
     return list(zip(inner, values))
 
@@ -203,8 +206,8 @@ def _check_shapes(plan: list[tuple[Any, Any]], what: str) -> None:
         if tuple(variable.shape) != tuple(np.shape(value)):
             raise ValueError(
                 f"{what}: the file's {variable.name!r} has shape {np.shape(value)}, this "
-                f"optimizer's {tuple(variable.shape)} (built for other weights?). Nothing "
-                "was loaded."
+                f"optimizer's {tuple(variable.shape)} (built for other weights?). "
+                f"{NOTHING_LOADED}"
             )
 
 
@@ -229,7 +232,7 @@ def _legacy_plan(
             f"{what}: the file's optimizer state ({len(values)} arrays, by position) "
             f"{why} layout of tfmixprec 0.1 to 0.3 for this optimizer (its weights, its "
             "inner optimizer and its accumulation_steps). Create the optimizer as the file's "
-            "was. Nothing was loaded."
+            f"was. {NOTHING_LOADED}"
         )
     return fits[0][1]
 
