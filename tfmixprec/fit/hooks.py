@@ -15,7 +15,7 @@ from tfmixprec.fit.overflow_batches import (
     keep_for_callbacks,
     stop_keeping_for_callbacks,
 )
-from tfmixprec.fit.reader import FitReader
+from tfmixprec.fit.reader import FitReader, check_min_scale
 from tfmixprec.replay.diagnosis import OverflowDiagnosis, explain_overflow
 from tfmixprec.scaling.optimizer import LossScaleOptimizer
 
@@ -49,13 +49,15 @@ class Diagnoser:
         keeper = self._keeper
         self._first = 0 if keeper is None else min(keeper.seen, keeper.limit)
 
-    def new(self, model: Any) -> list[tuple[int, OverflowDiagnosis]]:
-        """Diagnoses of the overflow steps kept since the last call (one integer read from
-        the device; a batch copied only when it is new). A batch that cannot be replayed ends
+    def new(self, model: Any, reader: FitReader) -> list[tuple[int, OverflowDiagnosis]]:
+        """Diagnoses of the overflow steps kept since the last call: the keeper's counts from
+        `reader`'s shared read of the step (none where the step's logs say no step
+        overflowed; a batch copied only when it is new). A batch that cannot be replayed ends
         the replay for this `fit` with a warning; it never stops training."""
-        if self._keeper is None or self._done >= self.limit:
+        if self._keeper is None or self._done >= self.limit or not reader.overflowed():
             return []
-        seen = self._keeper.poll(model)  # one read (the rows grown where a batch did not fit)
+        # The rows grown where a batch did not fit.
+        seen = self._keeper.poll(model, reader.state())
         fresh = self._keeper.kept_from(self._first + self._done, seen)
         fresh = fresh[: self.limit - self._done]
         self._done += len(fresh)
@@ -98,7 +100,8 @@ class FitWatch(keras.callbacks.Callback):
     """Added first to `MixedPrecisionModel.fit`'s callbacks: puts the epoch's number of overflow
     steps in the epoch logs as `overflow` (so History, CSVLogger and the progress bar show it),
     and reports a `min_scale` overflow (`on_min_scale`) every `update_freq` batches and at
-    epoch end, so `"raise"` stops `fit` promptly. One scalar read per check."""
+    epoch end, so `"raise"` stops `fit` promptly. Its reads are the step's shared read
+    (`FitReader.state`)."""
 
     def __init__(self, update_freq: int = 50) -> None:
         super().__init__()
@@ -110,22 +113,24 @@ class FitWatch(keras.callbacks.Callback):
         self.reader.set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self.reader.train_begin()
+        self.reader.train_begin(self.params)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.reader.epoch_begin()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self.reader.due(batch):
-            self.model.optimizer.check_min_scale()
+        due = self.reader.batch_end(batch, logs)
+        if due:
+            check_min_scale(self.model.optimizer, self.reader.state())
         keeper = current_keeper(self.model)
-        if keeper is not None and keeper.owner == "user":  # `keep_overflow_batches`
-            keeper.poll(self.model)  # one read; the rows grown where a batch did not fit
+        if keeper is not None and keeper.owner == "user" and self.reader.overflowed():
+            # `keep_overflow_batches`: the rows grown where a batch did not fit.
+            keeper.poll(self.model, self.reader.state())
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is not None:
             logs["overflow"] = self.reader.epoch_overflows()
-        self.model.optimizer.check_min_scale()
+        check_min_scale(self.model.optimizer, self.reader.state())
 
 
 # What the progress bar leaves out: totals since the optimizer was created, kept in the logs

@@ -156,8 +156,10 @@ def _local(variable: Any) -> tuple:
 
 
 # The counts each step adds to: overflow steps kept, steps whose batch did not fit the rows,
-# and overflow steps whose batch did not fit (not kept).
+# and overflow steps whose batch did not fit (not kept). `fit.reader` reads them with the
+# optimizer's state, in one copy, under these names.
 _KEPT, _UNFIT, _MISSED = 0, 1, 2
+KEEPER_COUNTS = ("kept", "unfit", "missed")
 
 
 class OverflowBatches:
@@ -275,16 +277,25 @@ class OverflowBatches:
         return False
 
     # ------------------------------------------------------------ on the host
-    def poll(self, model: Any = None) -> int:
-        """Between steps: reads the counts (one small read), grows the rows where a step's
-        batch did not fit, and, given the `model` whose step holds this keeper, traces that
-        step again where it met another batch structure. Returns `seen`."""
+    def counts_variable(self) -> tf.Variable | None:
+        """The counts `poll` reads (the first replica's), for a reader that reads them with
+        other values in one copy; None before a traced step made them."""
+        return None if self._counts is None else _local(self._counts)[0]
+
+    def poll(self, model: Any = None, counts: dict[str, int] | None = None) -> int:
+        """Between steps: reads the counts (one small read; none where `counts`, read with
+        other values, are given: `KEEPER_COUNTS`), grows the rows where a step's batch did
+        not fit, and, given the `model` whose step holds this keeper, traces that step again
+        where it met another batch structure. Returns `seen`."""
         if self.stale and model is not None and current_keeper(model) is self:
             self.forget()
             set_keeper(model, self)
         if self._counts is None:
             return 0
-        counts = _local(self._counts)[0].numpy()
+        if counts is not None and all(name in counts for name in KEEPER_COUNTS):
+            counts = [counts[name] for name in KEEPER_COUNTS]
+        else:
+            counts = _local(self._counts)[0].numpy()
         if counts[_MISSED] > self._missed_said:
             self._missed_said = int(counts[_MISSED])
             warnings.warn(

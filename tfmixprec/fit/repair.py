@@ -214,7 +214,7 @@ class PrecisionRepair(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.repairs, self.judgments, self._judged = [], [], None
-        optimizer = self._reader.train_begin()
+        optimizer = self._reader.train_begin(self.params)
         self._keeper = self._loss_fn = None
         if optimizer is None:
             return  # said by the reader: no loss scaling, nothing is skipped
@@ -244,19 +244,24 @@ class PrecisionRepair(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         keeper = self._keeper
-        seen = None if keeper is None else keeper.poll(self.model)  # one read
-        if seen is None or seen == self._seen:
+        self._reader.batch_end(batch, logs)
+        if keeper is None or not self._reader.overflowed():
+            return  # none kept, or the step's logs say no step overflowed: nothing read
+        state = self._reader.state()  # the step's shared read: the counts and the state
+        seen = keeper.poll(self.model, state)
+        if seen == self._seen:
             return  # no overflow kept since the last look
         self._seen = seen
         if len(self.repairs) >= self.max_repairs:
             return
-        state = self._reader.read()[0]
         at_min = self._reader.optimizer.dynamic and state["min_scale_overflows"] > 0
         run = state["consecutive_overflows"]
         if run < self.max_consecutive and not at_min:
             return
-        # Once a run of overflows, again at min_scale, and again after each repair.
-        judged = (state["last_overflow_step"] - run + 1, at_min, len(self.repairs))
+        # Every `max_consecutive` overflows of a run (one judged "none", the scale's, does not
+        # hide the forward overflows after it), again at min_scale, and after each repair.
+        start = state["last_overflow_step"] - run + 1
+        judged = (start, run // self.max_consecutive, at_min, len(self.repairs))
         if judged == self._judged or not keeper.latest:
             return
         self._judged = judged
@@ -289,6 +294,7 @@ class PrecisionRepair(keras.callbacks.Callback):
             mark_float32(self.model, {layer: reason for layer in judgment.layers})
             if judgment.loss_scale > 0:
                 self._reader.optimizer.restart_at(judgment.loss_scale)
+                self._reader.forget()  # every callback reads the new scale
             make_train_function(self.model)
             self.repairs.append(judgment)
             _record(self.model, judgment)
