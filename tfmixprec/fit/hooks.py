@@ -34,20 +34,26 @@ class Diagnoser:
             )
         self.limit, self.who = limit, who
         self._keeper: Any = None
-        self._first = self._done = 0
+        self._done = 0  # replayed in this fit
+        self._slot = 0  # the keeper's next slot (of its first `limit`) to replay
+        self._seen = 0  # the keeper's count of kept overflow steps at the last look
+        self._said = False
 
     def start(self, callback: Any, optimizer: LossScaleOptimizer | None) -> None:
         """Keeps overflow batches for this `fit` in the step of `callback`'s model (any
         model); nothing to keep without a tfmixprec `LossScaleOptimizer` (no step is skipped
-        then)."""
-        self._keeper, self._first, self._done = None, 0, 0
+        then). A keeper of the user's (`keep_overflow_batches`) filled before this `fit`
+        serves it from its newest overflow step's slot."""
+        self._keeper, self._done, self._slot, self._seen = None, 0, 0, 0
+        self._said = False
         if not self.limit or optimizer is None:
             return
         # Keras gives every callback of one fit the same `params` dict: it marks the fit.
         fit = callback.params
         self._keeper = keep_for_callbacks(callback.model, self.limit, self.who, fit)
-        keeper = self._keeper
-        self._first = 0 if keeper is None else min(keeper.seen, keeper.limit)
+        if self._keeper is not None:
+            self._seen = self._keeper.seen
+            self._slot = min(self._seen, self._keeper.limit)
 
     def new(self, model: Any, reader: FitReader) -> list[tuple[int, OverflowDiagnosis]]:
         """Diagnoses of the overflow steps kept since the last call: the keeper's counts from
@@ -56,10 +62,14 @@ class Diagnoser:
         the replay for this `fit` with a warning; it never stops training."""
         if self._keeper is None or self._done >= self.limit or not reader.overflowed():
             return []
-        # The rows grown where a batch did not fit.
-        seen = self._keeper.poll(model, reader.state())
-        fresh = self._keeper.kept_from(self._first + self._done, seen)
-        fresh = fresh[: self.limit - self._done]
+        keeper = self._keeper
+        seen = keeper.poll(model, reader.state())  # the rows grown where a batch did not fit
+        fresh = keeper.kept_from(self._slot, seen)[: self.limit - self._done]
+        self._slot += len(fresh)
+        beyond = seen - self._seen - (min(seen, keeper.limit) - min(self._seen, keeper.limit))
+        self._seen = seen
+        if beyond > 0 and self._done + len(fresh) < self.limit:
+            fresh += self._newest(keeper, beyond)
         self._done += len(fresh)
         found = []
         for kept in fresh:
@@ -76,6 +86,25 @@ class Diagnoser:
                 self._done = self.limit
                 break
         return found
+
+    def _newest(self, keeper: Any, beyond: int) -> list[Any]:
+        """For `beyond` overflow steps past the keeper's first slots (a keeper of the user's,
+        filled in an earlier `fit`): the newest one's batch; where that leaves some out (several
+        in one execution), said once a `fit`."""
+        newest = keeper.latest[:1]
+        missed = beyond - len(newest)
+        if missed > 0 and not self._said:
+            self._said = True
+            warnings.warn(
+                f"{self.who}: diagnose={self.limit} replays {len(newest)} of {beyond} overflow "
+                f"steps taken since the last batch end: the model's own keeper "
+                f"(keep_overflow_batches({keeper.limit})) is full and keeps only the newest "
+                "one's batch. Call keep_overflow_batches(0) before fit to let diagnose= keep "
+                f"its own. {docs_page('guides/why-overflow')}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return newest
 
     def stop(self, model: Any) -> None:
         if self._keeper is not None:
