@@ -4,10 +4,11 @@ steps, and training goes on from the current weights.
 `PrecisionRepair` costs little while nothing overflows: the step keeps the batch of an
 overflow step on the device (`overflow_batches.OverflowBatches`: a scatter into variables, no
 conditional and no host read in the step, with XLA or without), and after each batch the
-callback reads one small vector of counts (`OverflowBatches.poll`), after Keras's own read of
-the batch's logs. When overflows keep coming and the scale cannot fix them (a run of
-`max_consecutive` overflow steps, or an overflow at `min_scale`; both counted by the step in
-the optimizer's variables), it replays the newest overflow step's batches
+callback reads the keeper's counts in the one read the callbacks share (`FitReader.state`),
+after Keras's own read of the batch's logs. When overflows keep coming and the scale cannot
+fix them (a run of `max_consecutive` overflow steps, judged again at every `max_consecutive`
+more while it goes on, or an overflow at `min_scale`; both counted by the step in the
+optimizer's variables), it replays the newest overflow step's batches
 (`calibration.float32_set`):
 
 - a forward overflow, or gradients not finite even unscaled, in layers that are finite in
@@ -142,13 +143,14 @@ class PrecisionRepair(keras.callbacks.Callback):
     """Repairs float16 overflows during `fit`: the layers whose values pass float16's range
     move to float32 between steps, and training goes on from the current weights.
 
-    While nothing overflows it reads one small vector of counts a batch, after the step (no
-    host wait inside it). When overflows keep coming and
-    the loss scale cannot fix them (`max_consecutive` overflow steps in a row, or one at
-    `min_scale`), it replays the newest overflow step's batch outside training and moves the
-    smallest set of layers that makes it finite to float32 (see `tfmixprec.calibrate`), then
-    traces the train function again. Bad data is named, not repaired (`OverflowGuard`
-    decides), and overflows that the scale absorbs are left to the scale.
+    While nothing overflows it costs at most the one small read a batch that the tfmixprec
+    callbacks share, after the step (no host wait inside it; none on a `MixedPrecisionModel`,
+    whose step logs the overflow total). When overflows keep coming and the loss scale cannot
+    fix them (`max_consecutive` overflow steps in a row, and every `max_consecutive` more while
+    the run goes on, or one at `min_scale`), it replays the newest overflow step's batch
+    outside training and moves the smallest set of layers that makes it finite to float32
+    (see `tfmixprec.calibrate`), then traces the train function again. Bad data is named, not
+    repaired (`OverflowGuard` decides), and overflows that the scale absorbs are left to the scale.
 
     Every judgment is in `judgments`, every repair in `repairs` (and printed in one line with
     `verbose=1`); the epoch's logs get `repairs`, the number made so far (a History key), and
