@@ -395,3 +395,41 @@ def test_a_loss_that_overflows_in_its_own_dtype_is_repaired(replicas, request, c
     assert model.loss.dtype == "float32"
     assert model.optimizer.read_state()["overflow_steps"] == 5
     assert np.isfinite(history.history["loss"][-1])
+
+
+def _scale_then_forward(n_scale=5, n=512):
+    """Batches of 32: the first `n_scale` overflow through their scaled gradients only (labels
+    of 1e4: finite at a lower scale, "none"), every later one forward (10 x 10000 in `big`)."""
+    x, y = overflowing(n=n)
+    first = 32 * n_scale
+    x[:first] = 0.1 * np.random.default_rng(2).normal(size=(first, 8)).astype("float32")
+    y[:first] = 1e4
+    return x, y
+
+
+@pytest.mark.parametrize(
+    "kind, jit_compile",
+    [("keras", False), ("mixed_precision_model", False), ("mixed_precision_model", True)],
+)
+def test_a_run_is_judged_again_while_overflows_keep_coming(kind, jit_compile):
+    """The run's 5th overflow (step 4) is the scale's ("none"); the forward overflows that
+    follow in the same run are judged at its 10th (step 9) and repaired, long before an
+    OverflowGuard at its defaults stops (20 in a row), even with a min_scale of 2^-6 that the
+    scale would take 21 overflows to reach (before: judged again only at min_scale, and the
+    guard stopped training at step 19 with no repair)."""
+    optimizer = tfmixprec.LossScaleOptimizer(
+        keras.optimizers.SGD(1e-6), initial_scale=2.0**15, min_scale=2.0**-6
+    )
+    cls = tfmixprec.MixedPrecisionModel if kind == "mixed_precision_model" else None
+    model = overflow_model("flows", optimizer=optimizer, cls=cls)
+    model.jit_compile = jit_compile
+    repair = tfmixprec.PrecisionRepair(verbose=0)
+    guard = tfmixprec.OverflowGuard(verbose=0)
+    x, y = _scale_then_forward()
+    model.fit(x, y, batch_size=32, shuffle=False, verbose=0, callbacks=[repair, guard])
+    assert [(r.step, r.layers, r.cause) for r in repair.repairs] == [
+        (9, ("big", "proj"), "forward-overflow")
+    ]
+    assert guard.stopped_step is None and not model.stop_training
+    state = model.optimizer.read_state()
+    assert (state["overflow_steps"], state["iterations"]) == (10, 6)  # none after the repair

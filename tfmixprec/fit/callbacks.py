@@ -18,7 +18,7 @@ import tensorflow as tf
 from tfmixprec._common.layers import float32_on_purpose
 from tfmixprec._common.validate import check_bool, check_int_at_least_one, check_update_freq
 from tfmixprec.fit.hooks import Diagnoser, record_stop
-from tfmixprec.fit.reader import FitReader
+from tfmixprec.fit.reader import FitReader, check_min_scale
 from tfmixprec.fit.repair import repairs_of
 from tfmixprec.replay.diagnosis import OverflowDiagnosis
 from tfmixprec.scaling.attribution import overflow_report
@@ -96,7 +96,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._reader.set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        opt = self._reader.train_begin()
+        opt = self._reader.train_begin(self.params)
         self._diagnoser.start(self, opt)
 
     def on_train_end(self, logs: dict | None = None) -> None:
@@ -113,7 +113,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs if logs is not None else {}
         opt = self._reader.optimizer
-        due = self._reader.due(batch) and self.update_freq != "epoch"
+        due = self._reader.batch_end(batch, logs) and self.update_freq != "epoch"
         if opt is None:
             return  # no loss scaling: nothing to add or report
         if not all(key in logs for key in LOG_KEYS):
@@ -122,7 +122,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             logs.update(self._values(opt))
         if due:
             self._report(opt)
-        for step, diagnosis in self._diagnoser.new(self.model):
+        for step, diagnosis in self._diagnoser.new(self.model, self._reader):
             self.diagnoses.append((step, diagnosis))
             if self.verbose:
                 print(f"overflow step {step} (0-based, skipped steps counted): {diagnosis}")
@@ -136,7 +136,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         opt = self._reader.optimizer
         if opt is None:
             return
-        logs.update({k: float(v.numpy()) for k, v in self._values(opt).items()})
+        logs.update(_log_values(self._reader.state()))
         logs["overflow"] = self._reader.epoch_overflows()
         self._report(opt)
 
@@ -147,7 +147,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             last = now["last_overflow_step"]
             layers = overflow_report(self.model).last_overflow_layers
             # One overflow: the scale it used (the scale may have grown since the last read).
-            used = float(opt.last_overflow_scale.numpy()) if count == 1 else 0.0
+            used = now["last_overflow_scale"] if count == 1 else 0.0
             start = used if used > 0 else before["loss_scale"]  # 0: not recorded
             where = (
                 f"overflow at step {last}"
@@ -164,7 +164,20 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self.events.append(line)
             if self.verbose:
                 print(line)
-        opt.check_min_scale()
+        check_min_scale(opt, now)
+
+
+def _log_values(state: dict[str, Any]) -> dict[str, float]:
+    """`LOG_KEYS` from a shared read, as `snapshot()` computes them (in float32); `overflow`
+    (in its place) is set by the caller, to the epoch's count."""
+    overflows = np.float32(state["overflow_steps"])
+    attempted = overflows + np.float32(state["iterations"])
+    return {
+        "loss_scale": state["loss_scale"],
+        "overflow": 0.0,
+        "overflow_steps": float(overflows),
+        "skipped_fraction": float(overflows / np.maximum(attempted, np.float32(1.0))),
+    }
 
 
 def _repaired(model: Any, start: int, end: int) -> str:
@@ -258,9 +271,10 @@ class OverflowGuard(keras.callbacks.Callback):
         self._reader.set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        opt = self._reader.train_begin()
+        opt = self._reader.train_begin(self.params)
         if opt is not None:
             opt.reset_longest_overflow_run()  # runs from here on; read at each check
+            self._reader.forget()
         self.stopped_step = None
         self.stop_message = None
         if self.restore_weights:
@@ -274,7 +288,7 @@ class OverflowGuard(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         logs = logs or {}
-        if not self._reader.due(batch):
+        if not self._reader.batch_end(batch, logs):
             return
         opt = self._reader.optimizer
         state = self._reader.read()[0] if opt is not None else None
@@ -292,7 +306,7 @@ class OverflowGuard(keras.callbacks.Callback):
                 reason = f"the loss is {float(loss)} (without loss scaling nothing skips it)"
                 self._stop(step, reason, scaled=False)
             return
-        opt.check_min_scale()  # on_min_scale="raise" raises here, "warn" warns once
+        check_min_scale(opt, state)  # on_min_scale="raise" raises here, "warn" warns once
         reason = self._reason(opt, state)
         if reason is not None:
             self._stop(state["step"], reason)

@@ -183,7 +183,7 @@ class GradientRangeMonitor(keras.callbacks.Callback):
         if self._compute is None:
             self._build()
         opt = loss_scaling_of(self.model)
-        scale = opt.read_state()["loss_scale"] if opt is not None else 1.0
+        scale = self._reader.state()["loss_scale"] if opt is not None else 1.0  # shared
         x, y = self.data[0], self.data[1]
         sample_weight = self.data[2] if len(self.data) == 3 else None
         # Tensors, not NumPy arrays: tf.function traces again for every new array.
@@ -257,7 +257,8 @@ class GradientRangeMonitor(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self._reader.every.n = self.update_freq  # as it is now (it may be set after __init__)
-        self._reader.train_begin()
+        driver = self._driver  # a driven monitor shares its driver's fit
+        self._reader.train_begin(self.params or getattr(driver, "params", None))
         self._step = 0
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:

@@ -15,7 +15,7 @@ from tfmixprec.fit.overflow_batches import (
     keep_for_callbacks,
     stop_keeping_for_callbacks,
 )
-from tfmixprec.fit.reader import FitReader
+from tfmixprec.fit.reader import FitReader, check_min_scale
 from tfmixprec.replay.diagnosis import OverflowDiagnosis, explain_overflow
 from tfmixprec.scaling.optimizer import LossScaleOptimizer
 
@@ -34,30 +34,42 @@ class Diagnoser:
             )
         self.limit, self.who = limit, who
         self._keeper: Any = None
-        self._first = self._done = 0
+        self._done = 0  # replayed in this fit
+        self._slot = 0  # the keeper's next slot (of its first `limit`) to replay
+        self._seen = 0  # the keeper's count of kept overflow steps at the last look
+        self._said = False
 
     def start(self, callback: Any, optimizer: LossScaleOptimizer | None) -> None:
         """Keeps overflow batches for this `fit` in the step of `callback`'s model (any
         model); nothing to keep without a tfmixprec `LossScaleOptimizer` (no step is skipped
-        then)."""
-        self._keeper, self._first, self._done = None, 0, 0
+        then). A keeper of the user's (`keep_overflow_batches`) filled before this `fit`
+        serves it from its newest overflow step's slot."""
+        self._keeper, self._done, self._slot, self._seen = None, 0, 0, 0
+        self._said = False
         if not self.limit or optimizer is None:
             return
         # Keras gives every callback of one fit the same `params` dict: it marks the fit.
         fit = callback.params
         self._keeper = keep_for_callbacks(callback.model, self.limit, self.who, fit)
-        keeper = self._keeper
-        self._first = 0 if keeper is None else min(keeper.seen, keeper.limit)
+        if self._keeper is not None:
+            self._seen = self._keeper.seen
+            self._slot = min(self._seen, self._keeper.limit)
 
-    def new(self, model: Any) -> list[tuple[int, OverflowDiagnosis]]:
-        """Diagnoses of the overflow steps kept since the last call (one integer read from
-        the device; a batch copied only when it is new). A batch that cannot be replayed ends
+    def new(self, model: Any, reader: FitReader) -> list[tuple[int, OverflowDiagnosis]]:
+        """Diagnoses of the overflow steps kept since the last call: the keeper's counts from
+        `reader`'s shared read of the step (none where the step's logs say no step
+        overflowed; a batch copied only when it is new). A batch that cannot be replayed ends
         the replay for this `fit` with a warning; it never stops training."""
-        if self._keeper is None or self._done >= self.limit:
+        if self._keeper is None or self._done >= self.limit or not reader.overflowed():
             return []
-        seen = self._keeper.poll(model)  # one read (the rows grown where a batch did not fit)
-        fresh = self._keeper.kept_from(self._first + self._done, seen)
-        fresh = fresh[: self.limit - self._done]
+        keeper = self._keeper
+        seen = keeper.poll(model, reader.state())  # the rows grown where a batch did not fit
+        fresh = keeper.kept_from(self._slot, seen)[: self.limit - self._done]
+        self._slot += len(fresh)
+        beyond = seen - self._seen - (min(seen, keeper.limit) - min(self._seen, keeper.limit))
+        self._seen = seen
+        if beyond > 0 and self._done + len(fresh) < self.limit:
+            fresh += self._newest(keeper, beyond)
         self._done += len(fresh)
         found = []
         for kept in fresh:
@@ -74,6 +86,25 @@ class Diagnoser:
                 self._done = self.limit
                 break
         return found
+
+    def _newest(self, keeper: Any, beyond: int) -> list[Any]:
+        """For `beyond` overflow steps past the keeper's first slots (a keeper of the user's,
+        filled in an earlier `fit`): the newest one's batch; where that leaves some out (several
+        in one execution), said once a `fit`."""
+        newest = keeper.latest[:1]
+        missed = beyond - len(newest)
+        if missed > 0 and not self._said:
+            self._said = True
+            warnings.warn(
+                f"{self.who}: diagnose={self.limit} replays {len(newest)} of {beyond} overflow "
+                f"steps taken since the last batch end: the model's own keeper "
+                f"(keep_overflow_batches({keeper.limit})) is full and keeps only the newest "
+                "one's batch. Call keep_overflow_batches(0) before fit to let diagnose= keep "
+                f"its own. {docs_page('guides/why-overflow')}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return newest
 
     def stop(self, model: Any) -> None:
         if self._keeper is not None:
@@ -98,7 +129,8 @@ class FitWatch(keras.callbacks.Callback):
     """Added first to `MixedPrecisionModel.fit`'s callbacks: puts the epoch's number of overflow
     steps in the epoch logs as `overflow` (so History, CSVLogger and the progress bar show it),
     and reports a `min_scale` overflow (`on_min_scale`) every `update_freq` batches and at
-    epoch end, so `"raise"` stops `fit` promptly. One scalar read per check."""
+    epoch end, so `"raise"` stops `fit` promptly. Its reads are the step's shared read
+    (`FitReader.state`)."""
 
     def __init__(self, update_freq: int = 50) -> None:
         super().__init__()
@@ -110,22 +142,24 @@ class FitWatch(keras.callbacks.Callback):
         self.reader.set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self.reader.train_begin()
+        self.reader.train_begin(self.params)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.reader.epoch_begin()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self.reader.due(batch):
-            self.model.optimizer.check_min_scale()
+        due = self.reader.batch_end(batch, logs)
+        if due:
+            check_min_scale(self.model.optimizer, self.reader.state())
         keeper = current_keeper(self.model)
-        if keeper is not None and keeper.owner == "user":  # `keep_overflow_batches`
-            keeper.poll(self.model)  # one read; the rows grown where a batch did not fit
+        if keeper is not None and keeper.owner == "user" and self.reader.overflowed():
+            # `keep_overflow_batches`: the rows grown where a batch did not fit.
+            keeper.poll(self.model, self.reader.state())
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is not None:
             logs["overflow"] = self.reader.epoch_overflows()
-        self.model.optimizer.check_min_scale()
+        check_min_scale(self.model.optimizer, self.reader.state())
 
 
 # What the progress bar leaves out: totals since the optimizer was created, kept in the logs

@@ -4,11 +4,14 @@
 overflow step after it ran. The step keeps it in variables on the device, where the host
 waits for nothing: no host copy, and no branch on a device value.
 
-- Each tensor of the batch `(x, y, sample_weight)` has one variable of rows: the batches of the
-  first `limit` overflow steps since the keeper was (re)started, then, where asked for
-  (`PrecisionRepair`), the newest overflow step's, then a scratch row. Every step writes its
-  batch into one or two rows with a scatter: the slots its overflow flag chooses, or the
-  scratch row on a clean step. A step costs a device copy of its batch, however many slots.
+- Each tensor of the batch `(x, y, sample_weight)` has one variable of rows, in the tensor's
+  own dtype (a uint8 image stays uint8): one row a slot, the batches of the first `limit`
+  overflow steps since the keeper was (re)started and, where asked for (`PrecisionRepair`),
+  the newest overflow step's, and one row more. Every step writes its batch with one scatter
+  into the row no slot holds (the scratch row); on an overflow step the slots its flag
+  chooses then point to that row (a small vector of row numbers), and the row a slot left is
+  the next scratch row. A step costs one device copy of its batch, however many slots, and
+  whoever keeps.
 - The rows grow, in the step, where a batch is larger than any before: a branch decided by
   shapes alone, which the host knows without waiting for the device. A smaller batch (a
   ragged last batch) is padded, and its own shape kept beside it.
@@ -22,7 +25,9 @@ waits for nothing: no host copy, and no branch on a device value.
   replays them all.
 
 The host reads the slots only when a callback acts on them: `poll` (the callbacks call it
-after each batch) reads one vector of counts; `kept` and `latest` copy batches to the host.
+after a step, with the counts read in the one read they share) grows the rows where a batch
+did not fit; `kept` and `latest` copy a kept batch to the host, and only its values. Between
+fits a callbacks' keeper is dormant and holds rows of one value each (`release`).
 """
 
 from __future__ import annotations
@@ -72,22 +77,17 @@ def _fitted(value: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
     return tf.pad(value, tf.stack([tf.zeros_like(take), shape - take], axis=1))
 
 
-# Kept as float32, exactly: the narrow integers and bool, which lack a scatter kernel on some
-# devices (uint16 on a CPU, bool on a GPU).
-_AS_FLOAT32 = (tf.bool, tf.int8, tf.uint8, tf.int16, tf.uint16)
-
-
 class _Slots:
-    """One tensor of the batch: its rows (the slots, then a scratch row), the shape each slot
-    holds, and the largest shape a step has seen."""
+    """One tensor of the batch: its rows (one a kept batch, and a scratch row), kept in the
+    tensor's own dtype, the shape each slot holds, and the largest shape a step has seen. Which
+    row holds which slot is the keeper's (`OverflowBatches._where`): a step writes one row."""
 
     def __init__(self, spec: tf.TensorSpec, slots: int) -> None:
         # The sizes the trace declares; 1 where unknown (a scatter needs a row of one value).
         known = [max(d or 1, 1) for d in spec.shape.as_list()]
-        self.dtype = spec.dtype
-        self.stored = tf.float32 if spec.dtype in _AS_FLOAT32 else spec.dtype
+        self.dtype, self.rows, self.rank = spec.dtype, slots + 1, len(known)
         self.data = replica_variable(
-            tf.zeros([slots + 1, *known], self.stored), shape=tf.TensorShape(None)
+            tf.zeros([self.rows, *known], spec.dtype), shape=tf.TensorShape(None)
         )
         self.shapes = replica_variable(tf.zeros([slots, len(known)], tf.int32))
         self.wanted = replica_variable(tf.zeros([len(known)], tf.int32))
@@ -116,18 +116,20 @@ class _Slots:
         with tf.name_scope("keeper_rows_grow"):
             tf.cond(larger, grow, lambda: tf.constant(False))
 
-    def write(self, value: tf.Tensor, rows: tf.Tensor, chosen: tf.Tensor) -> list[Any]:
-        """Writes `value` into `rows` (a vector of row numbers; the scratch row where nothing
-        is kept) and its shape into the `chosen` slots; notes its shape."""
+    def write(self, value: tf.Tensor, row: tf.Tensor, chosen: tf.Tensor) -> list[Any]:
+        """Writes `value` into `row` (a scalar: the scratch row) and its shape into the
+        `chosen` slots; notes its shape. One row a step: the device copies the batch once."""
         room = self.held()[1:]
-        row = _fitted(tf.cast(value, self.stored), room)[tf.newaxis]
-        copies = tf.tile(row, tf.concat([tf.shape(rows), tf.ones_like(room)], 0))
         shape = tf.shape(value)
-        # The op itself: a sync-on-read variable has no `scatter_nd_update` in replica
-        # context, where its `handle` is this replica's copy's.
-        update = tf.raw_ops.ResourceScatterNdUpdate
+        # The op itself: a sync-on-read variable has no `scatter_update` in replica context,
+        # where its `handle` is this replica's copy's. `ResourceScatterUpdate` has a kernel
+        # for every dtype on CPUs and GPUs (bool and the narrow integers included).
         return [
-            update(ref=self.data.handle, indices=rows[:, tf.newaxis], updates=copies),
+            tf.raw_ops.ResourceScatterUpdate(
+                resource=self.data.handle,
+                indices=row[tf.newaxis],
+                updates=_fitted(value, room)[tf.newaxis],
+            ),
             self.shapes.assign(tf.where(chosen[:, tf.newaxis], shape[tf.newaxis], self.shapes)),
             self.wanted.assign(tf.maximum(self.wanted, shape)),
         ]
@@ -143,10 +145,20 @@ class _Slots:
             copy.assign(_fitted(tf.convert_to_tensor(copy), size))
         return True
 
-    def read(self, copy: int, slot: int) -> np.ndarray:
-        data = _local(self.data)[copy].numpy()[slot]
+    def release(self) -> None:
+        """Between fits, for a dormant keeper: every copy's rows back to one value each (the
+        step grows them again where it keeps), so that no device memory is held for the
+        largest batch ever seen."""
+        for copy in _local(self.data):
+            copy.assign(tf.zeros([self.rows] + [1] * self.rank, self.dtype))
+        for copy in _local(self.wanted):
+            copy.assign(tf.zeros_like(copy))
+
+    def read(self, copy: int, slot: int, row: int) -> np.ndarray:
+        """Slot `slot` of replica `copy`, held in `row`: only its values copied to the host."""
         shape = _local(self.shapes)[copy].numpy()[slot]
-        return data[tuple(slice(0, n) for n in shape)].astype(self.dtype.as_numpy_dtype)
+        data = _local(self.data)[copy]
+        return tf.slice(data, [row] + [0] * len(shape), [1, *shape])[0].numpy()
 
 
 def _local(variable: Any) -> tuple:
@@ -156,8 +168,10 @@ def _local(variable: Any) -> tuple:
 
 
 # The counts each step adds to: overflow steps kept, steps whose batch did not fit the rows,
-# and overflow steps whose batch did not fit (not kept).
+# and overflow steps whose batch did not fit (not kept). `fit.reader` reads them with the
+# optimizer's state, in one copy, under these names.
 _KEPT, _UNFIT, _MISSED = 0, 1, 2
+KEEPER_COUNTS = ("kept", "unfit", "missed")
 
 
 class OverflowBatches:
@@ -192,6 +206,7 @@ class OverflowBatches:
         self._unfit_seen = 0  # `_UNFIT` when the rows were last grown
         self._missed_said = 0  # `_MISSED` when last said
         self._steps: tf.Variable | None = None  # per slot: the step, and its scale
+        self._where: tf.Variable | None = None  # per slot: the row that holds it
         self._scales: tf.Variable | None = None
         self._slots: list[_Slots | None] = []  # per tensor of the flattened batch
         self._spec: Any = None
@@ -219,14 +234,18 @@ class OverflowBatches:
         fits = tf.reduce_all(tf.stack([s.fits(x) for x, s in slots]))
         kept = tf.logical_and(overflowed, fits)
         count = tf.convert_to_tensor(self._counts)[_KEPT]
-        scratch = tf.constant(self._size, tf.int64)
-        rows = [tf.where(tf.logical_and(kept, count < self.limit), count, scratch)]
+        # The batch goes into the row no slot holds (the scratch row), once; an overflow
+        # step's slots then point to that row (the next of the first `limit`, and the newest).
+        where = tf.convert_to_tensor(self._where)
+        taken = tf.range(self._size + 1, dtype=tf.int64)[:, tf.newaxis] == where
+        scratch = tf.argmin(tf.cast(tf.reduce_any(taken, axis=1), tf.int32), output_type=tf.int64)
+        slot = tf.range(self._size, dtype=tf.int64)
+        chosen = kept & (slot == count) & (slot < self.limit)
         if self.keeps_latest:
-            rows.append(tf.where(kept, tf.constant(self.limit, tf.int64), scratch))
-        rows = tf.stack(rows)
-        chosen = tf.reduce_any(tf.range(self._size, dtype=tf.int64)[:, None] == rows, axis=1)
-        for tensor, slot in slots:
-            slot.write(tensor, rows, chosen)
+            chosen = tf.logical_or(chosen, tf.logical_and(kept, slot == self.limit))
+        for tensor, tensor_slots in slots:
+            tensor_slots.write(tensor, scratch, chosen)
+        self._where.assign(tf.where(chosen, scratch, where))
         step = tf.cast(optimizer.last_overflow_step(), tf.int64)
         scale = tf.cast(optimizer.last_overflow_scale, tf.float32)
         self._steps.assign(tf.where(chosen, step, self._steps))
@@ -265,6 +284,7 @@ class OverflowBatches:
         self._counts = replica_variable(tf.zeros([3], tf.int64))
         self._unfit_seen = self._missed_said = 0
         self._steps = replica_variable(tf.fill([self._size], tf.constant(-1, tf.int64)))
+        self._where = replica_variable(tf.range(self._size, dtype=tf.int64))  # a slot's row
         self._scales = replica_variable(tf.zeros([self._size], tf.float32))
         self._slots = [None if x is None else _Slots(_spec_of(x), self._size) for x in flat]
         self._spec = spec
@@ -275,16 +295,25 @@ class OverflowBatches:
         return False
 
     # ------------------------------------------------------------ on the host
-    def poll(self, model: Any = None) -> int:
-        """Between steps: reads the counts (one small read), grows the rows where a step's
-        batch did not fit, and, given the `model` whose step holds this keeper, traces that
-        step again where it met another batch structure. Returns `seen`."""
+    def counts_variable(self) -> tf.Variable | None:
+        """The counts `poll` reads (the first replica's), for a reader that reads them with
+        other values in one copy; None before a traced step made them."""
+        return None if self._counts is None else _local(self._counts)[0]
+
+    def poll(self, model: Any = None, counts: dict[str, int] | None = None) -> int:
+        """Between steps: reads the counts (one small read; none where `counts`, read with
+        other values, are given: `KEEPER_COUNTS`), grows the rows where a step's batch did
+        not fit, and, given the `model` whose step holds this keeper, traces that step again
+        where it met another batch structure. Returns `seen`."""
         if self.stale and model is not None and current_keeper(model) is self:
             self.forget()
             set_keeper(model, self)
         if self._counts is None:
             return 0
-        counts = _local(self._counts)[0].numpy()
+        if counts is not None and all(name in counts for name in KEEPER_COUNTS):
+            counts = [counts[name] for name in KEEPER_COUNTS]
+        else:
+            counts = _local(self._counts)[0].numpy()
         if counts[_MISSED] > self._missed_said:
             self._missed_said = int(counts[_MISSED])
             warnings.warn(
@@ -334,6 +363,16 @@ class OverflowBatches:
         return [self._read(copy, self.limit) for copy in range(len(_local(self._counts)))]
 
     @property
+    def nbytes(self) -> int:
+        """The bytes the rows hold on the device, every replica's copies together (one
+        small host read a tensor of the batch)."""
+        total = 0
+        for slots in (s for s in self._slots if s is not None):
+            for copy in _local(slots.data):
+                total += int(np.prod(tf.shape(copy).numpy())) * slots.dtype.size
+        return total
+
+    @property
     def traced_once(self) -> bool:
         """Whether a traced step has created the slots (their number is fixed from then)."""
         return self._counts is not None
@@ -341,7 +380,7 @@ class OverflowBatches:
     def forget(self) -> None:
         """Drops the slots: the next traced step makes them again (for another `limit`, the
         newest batch or another batch structure), and keeps from there."""
-        self._counts = self._steps = self._scales = self._spec = None
+        self._counts = self._steps = self._scales = self._spec = self._where = None
         self._slots, self.unkept, self.stale = [], None, False
 
     def restart(self) -> None:
@@ -352,12 +391,20 @@ class OverflowBatches:
             self._unfit_seen = self._missed_said = 0
 
     def _read(self, copy: int, slot: int) -> KeptBatch:
-        arrays = iter([s.read(copy, slot) for s in self._slots if s is not None])
+        row = int(_local(self._where)[copy].numpy()[slot])
+        arrays = iter([s.read(copy, slot, row) for s in self._slots if s is not None])
         flat = [None if s is None else next(arrays) for s in self._slots]
         batch = tuple(tf.nest.pack_sequence_as(self._spec, flat))
         step = int(_local(self._steps)[copy].numpy()[slot])
         scale = float(_local(self._scales)[copy].numpy()[slot])
         return KeptBatch(step, scale, batch)
+
+    def release(self) -> None:
+        """Between fits (a dormant keeper): the rows back to one value each, so no device
+        memory is held for the largest batch seen; the next step that keeps grows them."""
+        for slots in self._slots:
+            if slots is not None:
+                slots.release()
 
 
 def _spec_of(value: Any) -> Any:
@@ -501,11 +548,13 @@ def stop_keeping_for_callbacks(model: Any) -> None:
     The keeper goes dormant rather than away: nobody reads it from now on, and the class's
     step is back for any new trace (a `compile` traces again without it), but the train
     function traced with it stays, so the next `fit` with a callback that keeps batches
-    reuses it instead of tracing again (`fit` called in a loop, one epoch each)."""
+    reuses it instead of tracing again (`fit` called in a loop, one epoch each). Its rows
+    shrink to one value each (the step grows them again)."""
     current = current_keeper(model)
     if current is not None and current.owner == "callbacks":
         current.active = False
         current.traced = getattr(model, "train_function", None)
+        current.release()  # no memory held for the largest batch seen
         replace_train_step(model, None)
 
 

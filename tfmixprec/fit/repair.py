@@ -4,10 +4,11 @@ steps, and training goes on from the current weights.
 `PrecisionRepair` costs little while nothing overflows: the step keeps the batch of an
 overflow step on the device (`overflow_batches.OverflowBatches`: a scatter into variables, no
 conditional and no host read in the step, with XLA or without), and after each batch the
-callback reads one small vector of counts (`OverflowBatches.poll`), after Keras's own read of
-the batch's logs. When overflows keep coming and the scale cannot fix them (a run of
-`max_consecutive` overflow steps, or an overflow at `min_scale`; both counted by the step in
-the optimizer's variables), it replays the newest overflow step's batches
+callback reads the keeper's counts in the one read the callbacks share (`FitReader.state`),
+after Keras's own read of the batch's logs. When overflows keep coming and the scale cannot
+fix them (a run of `max_consecutive` overflow steps, judged again at every `max_consecutive`
+more while it goes on, or an overflow at `min_scale`; both counted by the step in the
+optimizer's variables), it replays the newest overflow step's batches
 (`calibration.float32_set`):
 
 - a forward overflow, or gradients not finite even unscaled, in layers that are finite in
@@ -142,13 +143,14 @@ class PrecisionRepair(keras.callbacks.Callback):
     """Repairs float16 overflows during `fit`: the layers whose values pass float16's range
     move to float32 between steps, and training goes on from the current weights.
 
-    While nothing overflows it reads one small vector of counts a batch, after the step (no
-    host wait inside it). When overflows keep coming and
-    the loss scale cannot fix them (`max_consecutive` overflow steps in a row, or one at
-    `min_scale`), it replays the newest overflow step's batch outside training and moves the
-    smallest set of layers that makes it finite to float32 (see `tfmixprec.calibrate`), then
-    traces the train function again. Bad data is named, not repaired (`OverflowGuard`
-    decides), and overflows that the scale absorbs are left to the scale.
+    While nothing overflows it costs at most the one small read a batch that the tfmixprec
+    callbacks share, after the step (no host wait inside it; none on a `MixedPrecisionModel`,
+    whose step logs the overflow total). When overflows keep coming and the loss scale cannot
+    fix them (`max_consecutive` overflow steps in a row, and every `max_consecutive` more while
+    the run goes on, or one at `min_scale`), it replays the newest overflow step's batch
+    outside training and moves the smallest set of layers that makes it finite to float32
+    (see `tfmixprec.calibrate`), then traces the train function again. Bad data is named, not
+    repaired (`OverflowGuard` decides), and overflows that the scale absorbs are left to the scale.
 
     Every judgment is in `judgments`, every repair in `repairs` (and printed in one line with
     `verbose=1`); the epoch's logs get `repairs`, the number made so far (a History key), and
@@ -214,7 +216,7 @@ class PrecisionRepair(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.repairs, self.judgments, self._judged = [], [], None
-        optimizer = self._reader.train_begin()
+        optimizer = self._reader.train_begin(self.params)
         self._keeper = self._loss_fn = None
         if optimizer is None:
             return  # said by the reader: no loss scaling, nothing is skipped
@@ -244,19 +246,24 @@ class PrecisionRepair(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         keeper = self._keeper
-        seen = None if keeper is None else keeper.poll(self.model)  # one read
-        if seen is None or seen == self._seen:
+        self._reader.batch_end(batch, logs)
+        if keeper is None or not self._reader.overflowed():
+            return  # none kept, or the step's logs say no step overflowed: nothing read
+        state = self._reader.state()  # the step's shared read: the counts and the state
+        seen = keeper.poll(self.model, state)
+        if seen == self._seen:
             return  # no overflow kept since the last look
         self._seen = seen
         if len(self.repairs) >= self.max_repairs:
             return
-        state = self._reader.read()[0]
         at_min = self._reader.optimizer.dynamic and state["min_scale_overflows"] > 0
         run = state["consecutive_overflows"]
         if run < self.max_consecutive and not at_min:
             return
-        # Once a run of overflows, again at min_scale, and again after each repair.
-        judged = (state["last_overflow_step"] - run + 1, at_min, len(self.repairs))
+        # Every `max_consecutive` overflows of a run (one judged "none", the scale's, does not
+        # hide the forward overflows after it), again at min_scale, and after each repair.
+        start = state["last_overflow_step"] - run + 1
+        judged = (start, run // self.max_consecutive, at_min, len(self.repairs))
         if judged == self._judged or not keeper.latest:
             return
         self._judged = judged
@@ -289,6 +296,7 @@ class PrecisionRepair(keras.callbacks.Callback):
             mark_float32(self.model, {layer: reason for layer in judgment.layers})
             if judgment.loss_scale > 0:
                 self._reader.optimizer.restart_at(judgment.loss_scale)
+                self._reader.forget()  # every callback reads the new scale
             make_train_function(self.model)
             self.repairs.append(judgment)
             _record(self.model, judgment)

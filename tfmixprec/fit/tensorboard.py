@@ -280,7 +280,7 @@ class TensorBoard(_ChiefWrites):
             self.gradient_monitor.set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        opt = self._reader.train_begin()
+        opt = self._reader.train_begin(self.params)
         self._repairs_written = len(repairs_of(self.model))  # earlier fits' are written
         self._stops_written = len(stops_of(self.model))
         self._flagged, self._loss = [], None
@@ -302,19 +302,20 @@ class TensorBoard(_ChiefWrites):
         super().on_train_end(logs)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        due = self._reader.batch_end(batch, logs)  # first: the step's reads are keyed by it
         if tensorboard_batch_work(self):
             super().on_train_batch_end(batch, _without_loss_scale(logs))
         # else: with update_freq="epoch", Keras's callback would only issue per-batch
         # summaries that its writer discards (about 0.1 ms each, every batch): skipped.
         _note_step(self, logs)
-        for step, diagnosis in self._diagnoser.new(self.model):
+        for step, diagnosis in self._diagnoser.new(self.model, self._reader):
             self.write_diagnosis(diagnosis, step)
         _write_repairs(self)
         measured = False
         if self.gradient_monitor is not None:
             logs = logs if isinstance(logs, dict) else None
             measured = self.gradient_monitor.step(logs, batch)
-        if self.update_freq != "epoch" and self._reader.due(batch):
+        if self.update_freq != "epoch" and due:
             self._write()
         elif measured and self.update_freq != "epoch":
             self._write_gradients(_step_now(self))
@@ -427,14 +428,15 @@ def _note_step(board: TensorBoard, logs: dict | None) -> None:
     board._loss = _host_number(logs.get("loss"))
     optimizer = board._reader.optimizer
     if board.update_freq != "epoch" and _host_number(logs.get("overflow")) and optimizer:
-        board._flagged.append(int(optimizer.last_overflow_step().numpy()))
+        board._flagged.append(board._reader.state()["last_overflow_step"])
 
 
 def _step_now(board: TensorBoard) -> int:
-    """The 0-based number of the step just taken, skipped steps counted (one host read)."""
+    """The 0-based number of the step just taken, skipped steps counted (the step's shared
+    read)."""
     optimizer = board._reader.optimizer
     if optimizer is not None:
-        return int(optimizer.read_state()["step"]) - 1
+        return board._reader.state()["step"] - 1
     return int(board.model.optimizer.iterations.numpy()) - 1
 
 

@@ -252,9 +252,10 @@ class MixedPrecisionMixin(MultiWorkerFit):
         ones kept here.)
 
         The step writes its batch into the keeper's variables (one device copy of the batch
-        a step, no conditional and no host read), with XLA (`jit_compile=True`) or without;
-        `MixedPrecisionModel.fit` polls it after each batch (one small read; the rows grown
-        where a batch did not fit), and `kept` copies the batches to the host when read.
+        a step, in its own dtype, no conditional and no host read), with XLA
+        (`jit_compile=True`) or without; `MixedPrecisionModel.fit` polls it after a step
+        that overflowed (the counts in the one read the callbacks share; the rows grown
+        where a batch did not fit), and `kept` copies a batch to the host when read.
 
         Args:
             limit: Int >= 0. How many overflow batches to keep at the most.
