@@ -19,9 +19,13 @@ repair's alike, because a replay asks what the step computed, and a step under `
   training mode: the step's finite check counts them (a non-finite amax), so does the replay.
 
 A replay in training mode writes state (moving statistics, dropout seed generators, a
-stateful RNN's states, `add_loss` losses): `_observe.state_put_back` puts every variable that
-is not trainable back as it was, bit for bit, so a replay changes nothing and two replays of
-the same batch (the model's dtypes, then float32) draw the same dropout seeds. A dropout in
+stateful RNN's states, a layer's own metrics, `add_loss` losses, and Keras's global seed
+generator, which an unseeded `keras.random.normal` in a layer draws from):
+`_observe.state_put_back` puts every variable that is not trainable back as it was, bit for
+bit (metrics' variables, which `model.variables` leaves out, and the optimizer's own state
+included), and the global seed generator too, so a replay changes nothing: a fit with
+`diagnose=N` ends with the weights of the same fit without it, and two replays of the same
+batch (the model's dtypes, then float32) draw the same seeds. A dropout in
 float32 draws its mask in float32, though: it can keep other values than in float16 (a
 float32 replay's numbers are a reference, not the same computation).
 
