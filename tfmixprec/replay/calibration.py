@@ -94,11 +94,19 @@ class _Call:
     bad_inputs: bool
     input_max: float
     out_dtype: str  # the narrowest dtype of its outputs (a float16 layer may return float32)
+    # Its NaN/Inf are the float32 replay's too, whose loss and gradients are finite: on
+    # purpose (a `-inf` key mask before a softmax), not an overflow (`Replayer.run`).
+    on_purpose: bool = False
+
+    @property
+    def overflows(self) -> bool:
+        """Not finite, and not on purpose."""
+        return bool(self.bad) and not self.on_purpose
 
     @property
     def risky(self) -> bool:
-        """Not finite, or within `HEADROOM` of its outputs' dtype's largest value."""
-        return bool(self.bad) or self.max_abs > _near(self.out_dtype)
+        """Overflows, or within `HEADROOM` of its outputs' dtype's largest value."""
+        return self.overflows or self.max_abs > _near(self.out_dtype)
 
     @property
     def risky_inputs(self) -> bool:
@@ -124,6 +132,31 @@ class _Run:
     @property
     def grads_finite(self) -> bool:
         return all(g is None or bool(np.isfinite(float_array(g)).all()) for g in self.grads)
+
+    @property
+    def sound(self) -> bool:
+        """Whether the loss and the gradients are finite (of a float32 replay: its NaN/Inf
+        values are on purpose)."""
+        return math.isfinite(self.loss) and self.grads_finite
+
+
+def _on_purpose(run: _Run, reference: _Run) -> _Run:
+    """`run`, its calls' NaN/Inf that `reference` (the batch in float32, `sound`) has too
+    marked on purpose, inputs and outputs: a value not finite in float32 as well that leaves
+    the loss and gradients finite is not the overflow."""
+    if not reference.sound or len(reference.calls) != len(run.calls):
+        return run
+    calls = [
+        dataclasses.replace(
+            call,
+            on_purpose=0 < call.bad <= ref.bad,
+            bad_inputs=call.bad_inputs and not ref.bad_inputs,
+        )
+        if call.layer is ref.layer and (call.bad or call.bad_inputs)
+        else call
+        for call, ref in zip(run.calls, reference.calls)
+    ]
+    return dataclasses.replace(run, calls=tuple(calls))
 
 
 def _call(layer: Any, args: tuple, result: Any) -> _Call:
@@ -173,16 +206,23 @@ class Replayer:
         float32: Sequence[Any] = (),
         plain: bool = False,
         loss_fn: Callable | None = None,
+        judged: bool = True,
     ) -> _Run:
         """One replay with `float32` in float32 (`float32_swapped`; `plain`: float8 layers
         without their quantization too), float8 layers differentiated eagerly; with
-        `loss_fn` in place of the replayer's loss when given."""
+        `loss_fn` in place of the replayer's loss when given. `judged`: NaN/Inf that the
+        batch's replay in float32 has too, finite loss and gradients there, are on purpose
+        (`_on_purpose`), for a batch of the replayer's."""
         calls: list[_Call] = []
         record = lambda layer, args, result: calls.append(_call(layer, args, result))  # noqa: E731
         loss_fn = self.loss_fn if loss_fn is None else loss_fn
         with float32_swapped(list(float32), plain):
             done = replay(self.model, batch, loss_fn, scale, record, training=self.training)
-        return _Run(tuple(calls), done.loss, done.grads)
+        run = _Run(tuple(calls), done.loss, done.grads)
+        index = next((i for i, mine in enumerate(self.batches) if mine is batch), None)
+        if not judged or index is None or not any(c.bad or c.bad_inputs for c in run.calls):
+            return run
+        return _on_purpose(run, self.in_float32(index))
 
     def forget(self) -> None:
         """Drops the float32 replays kept (`in_float32`): the loss changed."""
@@ -196,7 +236,8 @@ class Replayer:
         at scale 1 (kept: asked often)."""
         if index not in self._float32:
             everything = all_layers(self.model)
-            self._float32[index] = (self.run(self.batches[index], 1.0, everything, True),)
+            run = self.run(self.batches[index], 1.0, everything, True, judged=False)
+            self._float32[index] = (run,)
         return self._float32[index][0]
 
     def finite_at(self, scale: float, float32: Sequence[Any]) -> bool:
@@ -336,7 +377,7 @@ def _next_fix(replayer: Replayer, chosen: list[Any]) -> tuple[str, Any] | None:
         except DtypeClashError as err:
             return "model-code", _clash_fix(replayer, index, chosen, err.clash)
         if run.first_bad is not None:
-            overflows = bool(run.calls[run.first_bad].bad)  # else within the headroom only
+            overflows = run.calls[run.first_bad].overflows  # else within the headroom only
             kind = "forward-overflow" if overflows else "near-overflow"
             return kind, _forward_fix(replayer, index, run, chosen)
         if not math.isfinite(run.loss):
@@ -423,7 +464,7 @@ def _past(value: float, dtype: str) -> str:
 def _forward_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) -> Any:
     bad = run.first_bad
     call, reference = run.calls[bad], replayer.in_float32(index)
-    if len(reference.calls) <= bad or reference.calls[bad].bad:
+    if len(reference.calls) <= bad or (reference.calls[bad].bad and not reference.sound):
         return (
             f"layer {call.layer.name!r} is not finite even in float32: the weights or the "
             "model diverge, not the precision (lower the learning rate, check the "

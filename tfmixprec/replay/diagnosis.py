@@ -361,10 +361,25 @@ def _gradient_rows(model: keras.Model, grads: list[Any], grads32: list[Any]) -> 
     return rows
 
 
-def _float32_max(stats: tuple[float, int, int]) -> float:
-    """A call's largest |x| in the float32 replay (`inf` when not finite there)."""
+def _float32_max(stats: tuple[float, int, int], sound: bool = False) -> float:
+    """A call's largest |x| in the float32 replay (`inf` when not finite even in float32);
+    `sound` (the float32 replay's loss and gradients are finite): its largest finite |x|, its
+    NaN/Inf being on purpose (see `_excess`)."""
     biggest, nan, inf = stats
-    return math.inf if nan or inf else biggest
+    return math.inf if (nan or inf) and not sound else biggest
+
+
+def _sound(run32: _Pass) -> bool:
+    """Whether the float32 replay's loss and gradients are finite: then a value that is not
+    finite there either is on purpose (a `-inf` key mask before a softmax), not an overflow."""
+    return math.isfinite(run32.loss) and _all_finite(run32.grads)
+
+
+def _excess(stats: tuple[float, int, int], stats32: tuple[float, int, int], sound: bool) -> int:
+    """The NaN/Inf of a call's values (its outputs' or inputs' stats) that its float32 replay
+    does not have too, where that replay is `sound`; else all of them."""
+    bad = stats[1] + stats[2]
+    return max(bad - stats32[1] - stats32[2], 0) if sound else bad
 
 
 def _layer_rows(model: keras.Model, run: _Pass, run32: _Pass) -> list[LayerReplay]:
@@ -444,14 +459,19 @@ def _input_advice(dtype: str, input_max: float) -> str:
 
 def _forward_source(run: _Pass, run32: _Pass) -> OverflowDiagnosis | None:
     """The first layer whose output is not finite although its inputs are; else the first
-    layer whose output is not finite (its inputs overflowed before it, outside any layer)."""
+    layer whose output is not finite (its inputs overflowed before it, outside any layer).
+    NaN/Inf that the float32 replay has too, where its loss and gradients are finite, are on
+    purpose and count for neither (`_excess`)."""
     # Each call's own float32 replay decides (a layer may be called twice).
+    sound = _sound(run32)
     bad = [
-        (call, call32) for call, call32 in zip(run.calls, run32.calls) if call[2][1] or call[2][2]
+        (call, call32)
+        for call, call32 in zip(run.calls, run32.calls)
+        if _excess(call[2], call32[2], sound)
     ]
-    for (layer, dtype, (_, nan, inf), (_, in_nan, in_inf)), call32 in bad:
-        if not (in_nan or in_inf):
-            advice = _forward_advice(dtype, _float32_max(call32[2]), is_float8(layer))
+    for (layer, dtype, (_, nan, inf), inputs), call32 in bad:
+        if not _excess(inputs, call32[3], sound):
+            advice = _forward_advice(dtype, _float32_max(call32[2], sound), is_float8(layer))
             return _verdict(
                 "forward-overflow",
                 run.names[id(layer)],
