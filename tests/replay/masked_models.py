@@ -46,3 +46,28 @@ def masked_model(fill=-np.inf, model_class=tfmixprec.MixedPrecisionModel, jit_co
 
 def masked_data(n=16):
     return np.ones((n, 8), "float32"), np.zeros((n, 1), "float32")
+
+
+class LogProbabilities(keras.layers.Layer):
+    """`log(softmax(x))`, as written by hand (not `log_softmax`)."""
+
+    def call(self, logits):
+        return keras.ops.log(keras.ops.softmax(logits))
+
+
+def log_softmax_model(model_class=tfmixprec.MixedPrecisionModel):
+    """`logits` (float16) gives 26.5 for the first of 8 classes and 0 for the others on inputs
+    of 1: their probabilities, exp(-26.5) = 3e-12, round to 0 in float16, and `log_probs`'s
+    log of them is -inf; in float32 its largest |x| is 26.5."""
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        kernel = np.zeros((8, 8), "float32")
+        kernel[:, 0] = 26.5 / 8
+        logits = keras.layers.Dense(8, name="logits", kernel_initializer=C(kernel))(inputs)
+        log_probs = LogProbabilities(name="log_probs")(logits)
+        outputs = keras.layers.Dense(1, name="out", dtype="float32", kernel_initializer="ones")(
+            log_probs
+        )
+        model = model_class(inputs, outputs)
+        model.compile(tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(0.0)), "mse")
+    return model

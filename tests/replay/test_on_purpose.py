@@ -2,10 +2,12 @@
 and an underflow to 0 before a `log` is named as one: `explain_overflow`, `calibrate` and
 `PrecisionRepair` alike."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
-from masked_models import masked_data, masked_model
+from masked_models import log_softmax_model, masked_data, masked_model
 
 import tfmixprec
 from tfmixprec._common.layers import layer_names
@@ -90,3 +92,34 @@ def test_precision_repair_repairs_past_a_minus_inf_mask(model_class, jit_compile
     assert [model.get_layer(name).compute_dtype for name in repaired] == ["float32"] * 2
     assert np.isfinite(model.evaluate(x, y, verbose=0))
     assert steps == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6]  # the six steps after the repair applied
+
+
+UNDERFLOW = (
+    "a value inside it underflows to 0 in float16 (a softmax's smallest probabilities, say), "
+    "then Log makes -inf of that 0 (log(0), at {where}): an underflow, not a value past "
+    "float16's range; its output is finite in float32 (max |x| 26.5). Take the log of a "
+    "softmax as keras.ops.log_softmax (or tf.nn.log_softmax), which never forms the 0, or "
+    'compute that layer in float32 (dtype="float32" on the layer).'
+)
+
+
+# The line of `LogProbabilities.call` in masked_models.py, where the Log runs.
+UNDERFLOW_PATTERN = re.escape(UNDERFLOW).replace(re.escape("{where}"), r"\S*masked_models\.py:\d+")
+
+
+@pytest.mark.parametrize("model_class", [keras.Model, tfmixprec.MixedPrecisionModel])
+def test_log_of_a_softmax_is_named_an_underflow(model_class):
+    """Seven probabilities of eight round to 0 in float16 and their log is -inf; the largest
+    |x| in float32 is 26.5. It was "a value inside it passes float16's 65504"."""
+    model = log_softmax_model(model_class)
+    batch = masked_data()
+    diagnosis = tfmixprec.explain_overflow(model, batch)
+    assert (diagnosis.cause, diagnosis.layer) == ("forward-overflow", "log_probs")
+    assert re.fullmatch("112 NaN/Inf in its output; " + UNDERFLOW_PATTERN, diagnosis.message)
+    report = tfmixprec.calibrate(model, batch, steps=1)
+    assert (report.cause, report.float32_layers, report.problem) == (
+        "forward-overflow",
+        ("log_probs",),
+        None,
+    )
+    assert re.fullmatch(UNDERFLOW_PATTERN, report.reasons[0])

@@ -12,9 +12,11 @@ The set is found by replaying, not guessed from layer types (`float32_set`, whic
 1. Replay the batch forward in the model's dtypes, with the set so far in float32. The first
    layer call whose output is not finite although its inputs are joins the set (checked
    finite in float32 first; a layer that is not finite even in float32 is a divergence, not
-   a precision problem). That is the layer that overflows, and then each consumer of its
-   float32 output that casts it back to float16, until the values are back in range
-   (typically at the next normalization, which does not cast its inputs).
+   a precision problem, unless the float32 replay's loss and gradients are finite: then its
+   NaN/Inf are on purpose, a `-inf` key mask before a softmax, and passed over). That is the
+   layer that overflows (or whose value underflows to 0 before a log, named as such), and
+   then each consumer of its float32 output that casts it back to float16, until the values
+   are back in range (typically at the next normalization, which does not cast its inputs).
 2. A call whose inputs are already not finite overflowed in an operation outside any leaf
    layer (the attention logits, computed inside `MultiHeadAttention`): the innermost layer
    around it that makes it finite in float32, with its sublayers, joins the set.
@@ -62,10 +64,11 @@ from tfmixprec._common.text import docs_page, jsonable, markdown_table
 from tfmixprec._common.validate import check_bool, check_int_at_least_one
 from tfmixprec._keras.graph import all_sublayers
 from tfmixprec._keras.losses import loss_dtype, loss_in, set_loss_dtype
+from tfmixprec._keras.op_watch import first_nonfinite_op
 from tfmixprec.precision.float8 import is_float8
 from tfmixprec.precision.policy import LOW_PRECISION, PolicyChange, compute_in_float32
 from tfmixprec.replay.clash import DtypeClash, DtypeClashError
-from tfmixprec.replay.engine import TRAINING, bad_data, computes_in, replay
+from tfmixprec.replay.engine import TRAINING, bad_data, computes_in, replay, underflow_to_zero
 from tfmixprec.scaling.gradient_range import gradient_range_stats
 from tfmixprec.scaling.loss_scale import LossScaleConfig, format_scale
 
@@ -482,7 +485,7 @@ def _forward_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) -
             why = f"its outputs reach {largest:.4g}, {_past(largest, call.dtype)}"
             return [(call.layer, why)]
         if not call.risky_inputs:
-            return [(call.layer, f"a value inside it passes {_limit(call.dtype)}")]
+            return [(call.layer, _inside(replayer, index, chosen, call.dtype, largest))]
     # Overflowed before it, or inside it though it computes in float32: in an operation
     # of a layer around it (or of itself, around its sublayers).
     around = _enclosing(replayer.model, call.layer)
@@ -497,6 +500,15 @@ def _forward_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) -
         f"{_limit(call.dtype)} before layer {call.layer.name!r}: cast it to float32 in that "
         "call."
     )
+
+
+def _inside(replayer: Replayer, index: int, chosen: list[Any], dtype: str, largest: float) -> str:
+    """Why a layer is not finite whose outputs are in range in float32 (`largest`): a value
+    that underflowed to 0 before a log or a division inside it (`engine.underflow_to_zero`,
+    the operation watched in one more replay), else a value inside it past the range."""
+    found = first_nonfinite_op(lambda: replayer.run(replayer.batches[index], 1.0, chosen))
+    reference = f"; its output is finite in float32 (max |x| {largest:.4g})"
+    return underflow_to_zero(found, reference) or f"a value inside it passes {_limit(dtype)}"
 
 
 def _enclosing(model: keras.Model, layer: Any) -> list[Any]:

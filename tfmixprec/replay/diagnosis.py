@@ -13,7 +13,11 @@ and changes no weight, statistic, optimizer slot or loss scale. It looks, in thi
 - `forward-overflow`: the first layer (in the order the forward pass runs them) whose output
   is not finite although its inputs are: its activations exceed the compute dtype's range
   (65504 for float16). A second replay in float32 says how large they are and whether the
-  layer would be finite in float32 or bfloat16;
+  layer would be finite in float32 or bfloat16. NaN/Inf that the float32 replay holds too,
+  where its loss and gradients are finite, are on purpose (a `-inf` key mask before a
+  softmax) and passed over. Where the layer's output is in range in float32 and a value
+  inside it underflowed to 0 before a log or a division (`log(softmax(x))`: log(0) is
+  -inf), the message names that underflow and its fix (`log_softmax`, or float32);
 - `loss-overflow`: the predictions are finite but the loss, or the loss times the scale, is not;
 - `backward-overflow`: everything forward is finite but some gradients of the scaled loss are
   not; the replay halves the scale until they are (k halvings: the dynamic scale finds that
@@ -67,7 +71,7 @@ from tfmixprec.precision.float8_recipe import (
     quantization_counts,
 )
 from tfmixprec.replay.clash import DtypeClash, DtypeClashError
-from tfmixprec.replay.engine import bad_data, computes_in, replay
+from tfmixprec.replay.engine import bad_data, computes_in, replay, underflow_to_zero
 from tfmixprec.scaling.gradient_range import gradient_range_stats
 from tfmixprec.scaling.loss_scale import format_scale
 
@@ -438,6 +442,7 @@ def _forward_advice(dtype: str, float32_max: float, float8: bool = False) -> str
 _INSIDE_GUESS = re.compile(
     r"a value inside it passes \S+ \S+ \(attention logits or a long sum, say\)"
 )
+_FINITE_IN_FLOAT32 = re.compile(r"its output is finite in float32 \(max \|x\| [^)]+\)")
 
 
 def _input_advice(dtype: str, input_max: float) -> str:
@@ -515,11 +520,18 @@ def _with_operation(
     verdict: OverflowDiagnosis, replay: Callable, scale: float
 ) -> OverflowDiagnosis:
     """A forward overflow that a constant of the model's own code caused, too large for the
-    compute dtype (T5's mask bias of -1e9): the verdict names the operation and its line
-    (`_keras.op_watch`) in place of the guess. Values past the range keep their verdict."""
+    compute dtype (T5's mask bias of -1e9), or an underflow to 0 before a log or a division
+    (`log(softmax(x))`, `engine.underflow_to_zero`): the verdict names the operation and its
+    line (`_keras.op_watch`) in place of the guess. Values past the range keep their
+    verdict."""
     if verdict.cause != "forward-overflow":
         return verdict
     found = first_nonfinite_op(lambda: replay(scale))
+    guess = _INSIDE_GUESS.search(verdict.message)
+    finite = _FINITE_IN_FLOAT32.search(verdict.message)
+    underflow = underflow_to_zero(found, f"; {finite.group(0)}" if finite else "")
+    if guess is not None and underflow is not None:
+        return dataclasses.replace(verdict, message=verdict.message[: guess.start()] + underflow)
     if found is None or not found.constant:
         return verdict
     at = f" at {found.where}" if found.where else ""
