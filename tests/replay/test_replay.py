@@ -187,14 +187,15 @@ class _Counted(keras.layers.Layer):
         return x
 
 
-def _noisy_model(model_class, jit_compile=False):
+def _noisy_model(model_class, jit_compile=False, noise=True):
     """`big` overflows float16 on the batches holding 1e6; `noise` draws from the global seed
     generator in every step and every replay; `counted` counts in its own metric."""
     keras.utils.set_random_seed(0)
     with tfmixprec.policy_scope("mixed_float16"):
         inputs = keras.Input((8,))
         hidden = keras.layers.Dense(16, name="big")(inputs)
-        hidden = _Counted(name="counted")(_Noise(name="noise")(hidden))
+        hidden = _Noise(name="noise")(hidden) if noise else hidden
+        hidden = _Counted(name="counted")(hidden)
         outputs = keras.layers.Dense(1, name="out", dtype="float32")(hidden)
         model = model_class(inputs, outputs)
         optimizer = tfmixprec.LossScaleOptimizer("adam", initial_scale=8.0)
@@ -244,3 +245,22 @@ def test_explain_and_calibrate_change_no_metric_seed_or_optimizer(model_class):
     tfmixprec.calibrate(model, (x, y), steps=2, batch_size=16)
     assert [float(v.numpy()) for v in seen.variables] == [4.0, 8.0]
     assert _every_variable(model) == before
+
+
+def test_a_replay_under_two_replicas_puts_back_each_replicas_metric(two_cpu_strategy):
+    """Under a strategy each replica's own copy of a metric (`ON_READ`: read as one value it
+    is their sum, through a collective) is put back as it was."""
+    with two_cpu_strategy.scope():
+        # Without `noise`: Keras keeps its global seed generator per thread, and a replica's
+        # thread cannot make one inside the step.
+        model, x, y = _noisy_model(tfmixprec.MixedPrecisionModel, noise=False)
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)  # 4 rows a replica, finite
+    seen = model.get_layer("counted").seen
+
+    def local():
+        parts = [two_cpu_strategy.experimental_local_results(v.value) for v in seen.variables]
+        return [[float(part.numpy()) for part in replicas] for replicas in parts]
+
+    assert local() == [[2.0, 2.0], [4.0, 4.0]]
+    assert tfmixprec.explain_overflow(model, (x[8:16], y[8:16])).cause == "forward-overflow"
+    assert local() == [[2.0, 2.0], [4.0, 4.0]]

@@ -276,9 +276,17 @@ def state_put_back(model: keras.Model) -> Iterator[None]:
     call changes no weight, but a stateful RNN's states, a random layer's seed, a layer's own
     counters or metrics, and Keras's global seed generator (an unseeded `keras.random.normal`
     draws from it) it may. Only variables that are not trainable are copied (a large model's
-    weights are not doubled): see `_state_variables`."""
+    weights are not doubled): see `_state_variables`. Under a strategy each replica's own
+    copy is read and put back (a metric's or an `ON_READ` counter's value read as one would be
+    summed over the workers, a collective that only some workers' replays would run)."""
     layers = all_layers(model)
-    variables = _state_variables(model, layers)
+    local = getattr(model, "distribute_strategy", tf.distribute.get_strategy())
+    local = local.experimental_local_results
+    variables = [
+        part
+        for variable in _state_variables(model, layers)
+        for part in local(variable.value if isinstance(variable, keras.Variable) else variable)
+    ]
     values = [np.array(variable.numpy(), copy=True) for variable in variables]
     losses = [call_losses(layer) for layer in layers]
     try:
