@@ -163,3 +163,104 @@ def test_layer_names_full_and_short():
     assert len(set(full.values())) == len(full) and len(set(short.values())) == len(short)
     with pytest.raises(TypeError, match="short must be True or False"):
         layer_names(model, short="yes")
+
+
+class _Noise(keras.layers.Layer):
+    """Adds unseeded noise in training: `keras.random.normal` draws from Keras's global seed
+    generator, which a replay must leave as it found it."""
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        return x + keras.ops.cast(0.1 * keras.random.normal(keras.ops.shape(x)), x.dtype)
+
+
+class _Counted(keras.layers.Layer):
+    """Passes its input on and counts it in a metric it owns (`keras.metrics.Mean`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = keras.metrics.Mean(name="seen")
+
+    def call(self, x):
+        self.seen.update_state(keras.ops.ones_like(x[:, :1]) * 0.5)
+        return x
+
+
+def _noisy_model(model_class, jit_compile=False, noise=True):
+    """`big` overflows float16 on the batches holding 1e6; `noise` draws from the global seed
+    generator in every step and every replay; `counted` counts in its own metric."""
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, name="big")(inputs)
+        hidden = _Noise(name="noise")(hidden) if noise else hidden
+        hidden = _Counted(name="counted")(hidden)
+        outputs = keras.layers.Dense(1, name="out", dtype="float32")(hidden)
+        model = model_class(inputs, outputs)
+        optimizer = tfmixprec.LossScaleOptimizer("adam", initial_scale=8.0)
+        model.compile(optimizer, "mse", metrics=["mae"], jit_compile=jit_compile)
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    x[9, 0] = x[17, 0] = x[25, 1] = 1e6  # batches 1, 2 and 3 overflow in float16
+    return model, x, np.ones((32, 1), "float32")
+
+
+def _every_variable(model):
+    """The value of each variable of the model, its metrics' and its optimizer's (in their
+    order: the names of a second model's differ), and the global seed generator's next draws."""
+    variables = model.variables + model.metrics_variables + list(model.optimizer.variables)
+    seed = keras.random.randint((4,), 0, 2**30)  # draws from the global generator
+    return [v.numpy().tobytes() for v in variables] + [seed.numpy().tobytes()]
+
+
+@pytest.mark.parametrize("model_class", [keras.Model, tfmixprec.MixedPrecisionModel])
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_diagnose_leaves_the_fit_bit_identical(model_class, jit_compile):
+    """A fit with `diagnose=3` replays three overflow steps; the weights it ends with are
+    bit-identical to the same fit's without it (a replay drew from Keras's global seed
+    generator, which `noise` draws its next steps' noise from: 0.003 apart)."""
+    ends = []
+    for diagnose in (0, 3):
+        model, x, y = _noisy_model(model_class, jit_compile)
+        monitor = tfmixprec.LossScaleMonitor(diagnose=diagnose)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[monitor])
+        ends.append(_every_variable(model))
+    assert [step for step, _ in monitor.diagnoses] == [1, 2, 3]
+    assert ends[0] == ends[1]
+
+
+@pytest.mark.parametrize("model_class", [keras.Model, tfmixprec.MixedPrecisionModel])
+def test_explain_and_calibrate_change_no_metric_seed_or_optimizer(model_class):
+    """The layer's metric, the compiled metrics, the optimizer's state and the global seed
+    generator are as they were after `explain_overflow` and `calibrate` (the layer's metric
+    went from (4, 8) to (12, 24), then on)."""
+    model, x, y = _noisy_model(model_class)
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)  # one step, finite
+    seen = model.get_layer("counted").seen
+    assert [float(v.numpy()) for v in seen.variables] == [4.0, 8.0]
+    keras.utils.set_random_seed(1)  # a fresh global generator: the same draws for both reads
+    before = _every_variable(model)
+    keras.utils.set_random_seed(1)
+    assert tfmixprec.explain_overflow(model, (x[8:16], y[8:16])).cause == "forward-overflow"
+    tfmixprec.calibrate(model, (x, y), steps=2, batch_size=16)
+    assert [float(v.numpy()) for v in seen.variables] == [4.0, 8.0]
+    assert _every_variable(model) == before
+
+
+def test_a_replay_under_two_replicas_puts_back_each_replicas_metric(two_cpu_strategy):
+    """Under a strategy each replica's own copy of a metric (`ON_READ`: read as one value it
+    is their sum, through a collective) is put back as it was."""
+    with two_cpu_strategy.scope():
+        # Without `noise`: Keras keeps its global seed generator per thread, and a replica's
+        # thread cannot make one inside the step.
+        model, x, y = _noisy_model(tfmixprec.MixedPrecisionModel, noise=False)
+    model.fit(x[:8], y[:8], batch_size=8, epochs=1, verbose=0)  # 4 rows a replica, finite
+    seen = model.get_layer("counted").seen
+
+    def local():
+        parts = [two_cpu_strategy.experimental_local_results(v.value) for v in seen.variables]
+        return [[float(part.numpy()) for part in replicas] for replicas in parts]
+
+    assert local() == [[2.0, 2.0], [4.0, 4.0]]
+    assert tfmixprec.explain_overflow(model, (x[8:16], y[8:16])).cause == "forward-overflow"
+    assert local() == [[2.0, 2.0], [4.0, 4.0]]

@@ -31,6 +31,7 @@ from tfmixprec._keras.graph import (
     set_call_losses,
 )
 from tfmixprec._keras.op_watch import first_nonfinite_op
+from tfmixprec._keras.settings import global_seeds_kept
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
@@ -271,27 +272,54 @@ def _input_specs(model: keras.Model) -> list[tuple[Any, str]]:
 
 @contextlib.contextmanager
 def state_put_back(model: keras.Model) -> Iterator[None]:
-    """The model's state and its layers' `add_loss` losses as they were, after the block: an
-    inference call changes no weight, but a stateful RNN's states, a random layer's seed or a
-    layer's own counters it may. Only variables that are not trainable are copied (a large
-    model's weights are not doubled); RNN states, which Keras does not track, included."""
+    """The model's state and its layers' `add_loss` losses as they were, after the block: a
+    call changes no weight, but a stateful RNN's states, a random layer's seed, a layer's own
+    counters or metrics, and Keras's global seed generator (an unseeded `keras.random.normal`
+    draws from it) it may. Only variables that are not trainable are copied (a large model's
+    weights are not doubled): see `_state_variables`. Under a strategy each replica's own
+    copy is read and put back (a metric's or an `ON_READ` counter's value read as one would be
+    summed over the workers, a collective that only some workers' replays would run)."""
     layers = all_layers(model)
-    trainable = {id(variable) for variable in model.trainable_variables}
-    variables = [v for v in model.variables if id(v) not in trainable]
-    for layer in layers:
-        states = getattr(layer, "states", None)  # a stateful RNN's (`reset_states()`)
-        if isinstance(states, (list, tuple)):
-            variables += [v for v in states if isinstance(v, keras.Variable)]
+    local = getattr(model, "distribute_strategy", tf.distribute.get_strategy())
+    local = local.experimental_local_results
+    variables = [
+        part
+        for variable in _state_variables(model, layers)
+        for part in local(variable.value if isinstance(variable, keras.Variable) else variable)
+    ]
     values = [np.array(variable.numpy(), copy=True) for variable in variables]
     losses = [call_losses(layer) for layer in layers]
     try:
-        yield
+        with global_seeds_kept():
+            yield
     finally:
         for variable, value in zip(variables, values):
             if not np.array_equal(np.asarray(variable.numpy()), value, equal_nan=True):
                 variable.assign(value)
         for layer, kept in zip(layers, losses):
             set_call_losses(layer, kept)
+
+
+def _state_variables(model: keras.Model, layers: Sequence[Any]) -> list[Any]:
+    """Every variable a call of `model` (and the loss and gradients after it) may write that is
+    not trainable, once each: the layers' non-trainable variables and seed generators
+    (`model.variables`), a stateful RNN's states (Keras does not track them), the metrics'
+    variables wherever they live (`Layer.variables` leaves them out: a layer's own metrics, the
+    model's compiled ones), and the optimizer's own state (its step counters, learning rate and
+    loss scale), but not its slots, one a weight (a call never writes them, and copying them
+    would double a large model's memory as the weights would)."""
+    trainable = {id(variable) for variable in model.trainable_variables}
+    found = [v for v in model.variables if id(v) not in trainable]
+    for layer in layers:
+        states = getattr(layer, "states", None)  # a stateful RNN's (`reset_states()`)
+        if isinstance(states, (list, tuple)):
+            found += [v for v in states if isinstance(v, keras.Variable)]
+        found += list(getattr(layer, "metrics_variables", ()))
+    optimizer = getattr(model, "optimizer", None)
+    small = max(1, len(trainable))  # at most one value a trainable variable: not a slot
+    found += [v for v in getattr(optimizer, "variables", ()) if math.prod(v.shape) <= small]
+    unique = {id(v): v for v in found if id(v) not in trainable}
+    return list(unique.values())
 
 
 class _CallRecorder:

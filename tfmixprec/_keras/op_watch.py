@@ -40,7 +40,9 @@ class NonfiniteOp:
         constant: Bool. One of its inputs was already not finite, and no watched operation
             made it: a constant too large for the dtype (the model's own code).
         inputs_finite: Bool. Every input was finite: the operation's values passed the
-            dtype's range.
+            dtype's range, or it made Inf/NaN of a 0 (`zero_input`).
+        zero_input: Bool. A floating-point input held an exact 0: with `inputs_finite`, a
+            `Log` or a division of a value that underflowed to 0 before it, say.
     """
 
     operation: str
@@ -48,12 +50,17 @@ class NonfiniteOp:
     where: str
     constant: bool
     inputs_finite: bool
+    zero_input: bool = False
 
 
 def _finite(tensor: Any) -> bool:
     if not tensor.dtype.is_floating:
         return True
     return bool(np.isfinite(tensor.numpy()).all())
+
+
+def _holds_zero(tensor: Any) -> bool:
+    return tensor.dtype.is_floating and bool((tensor.numpy() == 0).any())
 
 
 def model_line(frames: Sequence[traceback.FrameSummary]) -> str:
@@ -94,6 +101,7 @@ def first_nonfinite_op(run: Callable[[], Any]) -> NonfiniteOp | None:
                     model_line(traceback.extract_stack()),
                     constant,
                     not bad,
+                    any(_holds_zero(x) for x in inputs),
                 )
             )
         made.extend(bad_out)

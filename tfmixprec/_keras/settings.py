@@ -1,9 +1,11 @@
 """The process-wide settings tfmixprec may change, read and put back as they were: grappler's
-optimizer options and Keras's global dtype policy, where a setting never made stays unset."""
+optimizer options, Keras's global dtype policy, where a setting never made stays unset, and
+Keras's global seed generator (`global_seeds_kept`)."""
 
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +15,11 @@ import tensorflow as tf
 # read: `keras.config.dtype_policy()` sets it (to floatx's policy) when it reads an unset one,
 # so the public functions cannot tell "unset" apart nor put it back.
 from keras.src.backend.common import global_state
+
+# Why: an unseeded `keras.random.normal` draws from Keras's global `SeedGenerator`, kept in the
+# same private `global_state` under this name and created on first use; Keras offers no public
+# reader of it (`keras.utils.set_random_seed` replaces it, which is another setting).
+from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
 
 # Why: TensorFlow keeps the grappler options set in this process in the eager context's
 # private `_optimizer_experimental_options`: `tf.config.optimizer.set_experimental_options`
@@ -61,3 +68,24 @@ def settings_kept() -> Iterator[None]:
         restore_optimizer_options(options)
         if global_policy() is not policy:
             restore_global_policy(policy)
+
+
+@contextlib.contextmanager
+def global_seeds_kept() -> Iterator[None]:
+    """Within the block anything may draw from Keras's global seed generator (an unseeded
+    `keras.random.normal` in a layer, a replay's); after it (also when it raises) its state is
+    as it was, so the next draw is the one it would have been. A generator the block created is
+    removed again, with Python's `random` state it drew its seed from, so the first use after
+    the block creates the one it would have created."""
+    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    state = None if generator is None else generator.state.numpy().copy()
+    python_random = random.getstate() if generator is None else None
+    try:
+        yield
+    finally:
+        if global_state.get_global_attribute(GLOBAL_SEED_GENERATOR) is not generator:
+            global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, generator)
+            if generator is None:  # the block created one, from a draw of Python's `random`
+                random.setstate(python_random)
+        if generator is not None and (generator.state.numpy() != state).any():
+            generator.state.assign(state)

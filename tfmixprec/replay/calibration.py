@@ -12,9 +12,11 @@ The set is found by replaying, not guessed from layer types (`float32_set`, whic
 1. Replay the batch forward in the model's dtypes, with the set so far in float32. The first
    layer call whose output is not finite although its inputs are joins the set (checked
    finite in float32 first; a layer that is not finite even in float32 is a divergence, not
-   a precision problem). That is the layer that overflows, and then each consumer of its
-   float32 output that casts it back to float16, until the values are back in range
-   (typically at the next normalization, which does not cast its inputs).
+   a precision problem, unless the float32 replay's loss and gradients are finite: then its
+   NaN/Inf are on purpose, a `-inf` key mask before a softmax, and passed over). That is the
+   layer that overflows (or whose value underflows to 0 before a log, named as such), and
+   then each consumer of its float32 output that casts it back to float16, until the values
+   are back in range (typically at the next normalization, which does not cast its inputs).
 2. A call whose inputs are already not finite overflowed in an operation outside any leaf
    layer (the attention logits, computed inside `MultiHeadAttention`): the innermost layer
    around it that makes it finite in float32, with its sublayers, joins the set.
@@ -62,10 +64,11 @@ from tfmixprec._common.text import docs_page, jsonable, markdown_table
 from tfmixprec._common.validate import check_bool, check_int_at_least_one
 from tfmixprec._keras.graph import all_sublayers
 from tfmixprec._keras.losses import loss_dtype, loss_in, set_loss_dtype
+from tfmixprec._keras.op_watch import first_nonfinite_op
 from tfmixprec.precision.float8 import is_float8
 from tfmixprec.precision.policy import LOW_PRECISION, PolicyChange, compute_in_float32
 from tfmixprec.replay.clash import DtypeClash, DtypeClashError
-from tfmixprec.replay.engine import TRAINING, bad_data, computes_in, replay
+from tfmixprec.replay.engine import TRAINING, bad_data, computes_in, replay, underflow_to_zero
 from tfmixprec.scaling.gradient_range import gradient_range_stats
 from tfmixprec.scaling.loss_scale import LossScaleConfig, format_scale
 
@@ -94,11 +97,19 @@ class _Call:
     bad_inputs: bool
     input_max: float
     out_dtype: str  # the narrowest dtype of its outputs (a float16 layer may return float32)
+    # Its NaN/Inf are the float32 replay's too, whose loss and gradients are finite: on
+    # purpose (a `-inf` key mask before a softmax), not an overflow (`Replayer.run`).
+    on_purpose: bool = False
+
+    @property
+    def overflows(self) -> bool:
+        """Not finite, and not on purpose."""
+        return bool(self.bad) and not self.on_purpose
 
     @property
     def risky(self) -> bool:
-        """Not finite, or within `HEADROOM` of its outputs' dtype's largest value."""
-        return bool(self.bad) or self.max_abs > _near(self.out_dtype)
+        """Overflows, or within `HEADROOM` of its outputs' dtype's largest value."""
+        return self.overflows or self.max_abs > _near(self.out_dtype)
 
     @property
     def risky_inputs(self) -> bool:
@@ -124,6 +135,31 @@ class _Run:
     @property
     def grads_finite(self) -> bool:
         return all(g is None or bool(np.isfinite(float_array(g)).all()) for g in self.grads)
+
+    @property
+    def sound(self) -> bool:
+        """Whether the loss and the gradients are finite (of a float32 replay: its NaN/Inf
+        values are on purpose)."""
+        return math.isfinite(self.loss) and self.grads_finite
+
+
+def _on_purpose(run: _Run, reference: _Run) -> _Run:
+    """`run`, its calls' NaN/Inf that `reference` (the batch in float32, `sound`) has too
+    marked on purpose, inputs and outputs: a value not finite in float32 as well that leaves
+    the loss and gradients finite is not the overflow."""
+    if not reference.sound or len(reference.calls) != len(run.calls):
+        return run
+    calls = [
+        dataclasses.replace(
+            call,
+            on_purpose=0 < call.bad <= ref.bad,
+            bad_inputs=call.bad_inputs and not ref.bad_inputs,
+        )
+        if call.layer is ref.layer and (call.bad or call.bad_inputs)
+        else call
+        for call, ref in zip(run.calls, reference.calls)
+    ]
+    return dataclasses.replace(run, calls=tuple(calls))
 
 
 def _call(layer: Any, args: tuple, result: Any) -> _Call:
@@ -173,16 +209,23 @@ class Replayer:
         float32: Sequence[Any] = (),
         plain: bool = False,
         loss_fn: Callable | None = None,
+        judged: bool = True,
     ) -> _Run:
         """One replay with `float32` in float32 (`float32_swapped`; `plain`: float8 layers
         without their quantization too), float8 layers differentiated eagerly; with
-        `loss_fn` in place of the replayer's loss when given."""
+        `loss_fn` in place of the replayer's loss when given. `judged`: NaN/Inf that the
+        batch's replay in float32 has too, finite loss and gradients there, are on purpose
+        (`_on_purpose`), for a batch of the replayer's."""
         calls: list[_Call] = []
         record = lambda layer, args, result: calls.append(_call(layer, args, result))  # noqa: E731
         loss_fn = self.loss_fn if loss_fn is None else loss_fn
         with float32_swapped(list(float32), plain):
             done = replay(self.model, batch, loss_fn, scale, record, training=self.training)
-        return _Run(tuple(calls), done.loss, done.grads)
+        run = _Run(tuple(calls), done.loss, done.grads)
+        index = next((i for i, mine in enumerate(self.batches) if mine is batch), None)
+        if not judged or index is None or not any(c.bad or c.bad_inputs for c in run.calls):
+            return run
+        return _on_purpose(run, self.in_float32(index))
 
     def forget(self) -> None:
         """Drops the float32 replays kept (`in_float32`): the loss changed."""
@@ -196,7 +239,8 @@ class Replayer:
         at scale 1 (kept: asked often)."""
         if index not in self._float32:
             everything = all_layers(self.model)
-            self._float32[index] = (self.run(self.batches[index], 1.0, everything, True),)
+            run = self.run(self.batches[index], 1.0, everything, True, judged=False)
+            self._float32[index] = (run,)
         return self._float32[index][0]
 
     def finite_at(self, scale: float, float32: Sequence[Any]) -> bool:
@@ -336,7 +380,7 @@ def _next_fix(replayer: Replayer, chosen: list[Any]) -> tuple[str, Any] | None:
         except DtypeClashError as err:
             return "model-code", _clash_fix(replayer, index, chosen, err.clash)
         if run.first_bad is not None:
-            overflows = bool(run.calls[run.first_bad].bad)  # else within the headroom only
+            overflows = run.calls[run.first_bad].overflows  # else within the headroom only
             kind = "forward-overflow" if overflows else "near-overflow"
             return kind, _forward_fix(replayer, index, run, chosen)
         if not math.isfinite(run.loss):
@@ -423,7 +467,7 @@ def _past(value: float, dtype: str) -> str:
 def _forward_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) -> Any:
     bad = run.first_bad
     call, reference = run.calls[bad], replayer.in_float32(index)
-    if len(reference.calls) <= bad or reference.calls[bad].bad:
+    if len(reference.calls) <= bad or (reference.calls[bad].bad and not reference.sound):
         return (
             f"layer {call.layer.name!r} is not finite even in float32: the weights or the "
             "model diverge, not the precision (lower the learning rate, check the "
@@ -441,7 +485,7 @@ def _forward_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) -
             why = f"its outputs reach {largest:.4g}, {_past(largest, call.dtype)}"
             return [(call.layer, why)]
         if not call.risky_inputs:
-            return [(call.layer, f"a value inside it passes {_limit(call.dtype)}")]
+            return [(call.layer, _inside(replayer, index, chosen, call.dtype, largest))]
     # Overflowed before it, or inside it though it computes in float32: in an operation
     # of a layer around it (or of itself, around its sublayers).
     around = _enclosing(replayer.model, call.layer)
@@ -456,6 +500,15 @@ def _forward_fix(replayer: Replayer, index: int, run: _Run, chosen: list[Any]) -
         f"{_limit(call.dtype)} before layer {call.layer.name!r}: cast it to float32 in that "
         "call."
     )
+
+
+def _inside(replayer: Replayer, index: int, chosen: list[Any], dtype: str, largest: float) -> str:
+    """Why a layer is not finite whose outputs are in range in float32 (`largest`): a value
+    that underflowed to 0 before a log or a division inside it (`engine.underflow_to_zero`,
+    the operation watched in one more replay), else a value inside it past the range."""
+    found = first_nonfinite_op(lambda: replayer.run(replayer.batches[index], 1.0, chosen))
+    reference = f"; its output is finite in float32 (max |x| {largest:.4g})"
+    return underflow_to_zero(found, reference) or f"a value inside it passes {_limit(dtype)}"
 
 
 def _enclosing(model: keras.Model, layer: Any) -> list[Any]:

@@ -13,7 +13,11 @@ and changes no weight, statistic, optimizer slot or loss scale. It looks, in thi
 - `forward-overflow`: the first layer (in the order the forward pass runs them) whose output
   is not finite although its inputs are: its activations exceed the compute dtype's range
   (65504 for float16). A second replay in float32 says how large they are and whether the
-  layer would be finite in float32 or bfloat16;
+  layer would be finite in float32 or bfloat16. NaN/Inf that the float32 replay holds too,
+  where its loss and gradients are finite, are on purpose (a `-inf` key mask before a
+  softmax) and passed over. Where the layer's output is in range in float32 and a value
+  inside it underflowed to 0 before a log or a division (`log(softmax(x))`: log(0) is
+  -inf), the message names that underflow and its fix (`log_softmax`, or float32);
 - `loss-overflow`: the predictions are finite but the loss, or the loss times the scale, is not;
 - `backward-overflow`: everything forward is finite but some gradients of the scaled loss are
   not; the replay halves the scale until they are (k halvings: the dynamic scale finds that
@@ -67,7 +71,7 @@ from tfmixprec.precision.float8_recipe import (
     quantization_counts,
 )
 from tfmixprec.replay.clash import DtypeClash, DtypeClashError
-from tfmixprec.replay.engine import bad_data, computes_in, replay
+from tfmixprec.replay.engine import bad_data, computes_in, replay, underflow_to_zero
 from tfmixprec.scaling.gradient_range import gradient_range_stats
 from tfmixprec.scaling.loss_scale import format_scale
 
@@ -361,10 +365,25 @@ def _gradient_rows(model: keras.Model, grads: list[Any], grads32: list[Any]) -> 
     return rows
 
 
-def _float32_max(stats: tuple[float, int, int]) -> float:
-    """A call's largest |x| in the float32 replay (`inf` when not finite there)."""
+def _float32_max(stats: tuple[float, int, int], sound: bool = False) -> float:
+    """A call's largest |x| in the float32 replay (`inf` when not finite even in float32);
+    `sound` (the float32 replay's loss and gradients are finite): its largest finite |x|, its
+    NaN/Inf being on purpose (see `_excess`)."""
     biggest, nan, inf = stats
-    return math.inf if nan or inf else biggest
+    return math.inf if (nan or inf) and not sound else biggest
+
+
+def _sound(run32: _Pass) -> bool:
+    """Whether the float32 replay's loss and gradients are finite: then a value that is not
+    finite there either is on purpose (a `-inf` key mask before a softmax), not an overflow."""
+    return math.isfinite(run32.loss) and _all_finite(run32.grads)
+
+
+def _excess(stats: tuple[float, int, int], stats32: tuple[float, int, int], sound: bool) -> int:
+    """The NaN/Inf of a call's values (its outputs' or inputs' stats) that its float32 replay
+    does not have too, where that replay is `sound`; else all of them."""
+    bad = stats[1] + stats[2]
+    return max(bad - stats32[1] - stats32[2], 0) if sound else bad
 
 
 def _layer_rows(model: keras.Model, run: _Pass, run32: _Pass) -> list[LayerReplay]:
@@ -423,6 +442,7 @@ def _forward_advice(dtype: str, float32_max: float, float8: bool = False) -> str
 _INSIDE_GUESS = re.compile(
     r"a value inside it passes \S+ \S+ \(attention logits or a long sum, say\)"
 )
+_FINITE_IN_FLOAT32 = re.compile(r"its output is finite in float32 \(max \|x\| [^)]+\)")
 
 
 def _input_advice(dtype: str, input_max: float) -> str:
@@ -444,14 +464,19 @@ def _input_advice(dtype: str, input_max: float) -> str:
 
 def _forward_source(run: _Pass, run32: _Pass) -> OverflowDiagnosis | None:
     """The first layer whose output is not finite although its inputs are; else the first
-    layer whose output is not finite (its inputs overflowed before it, outside any layer)."""
+    layer whose output is not finite (its inputs overflowed before it, outside any layer).
+    NaN/Inf that the float32 replay has too, where its loss and gradients are finite, are on
+    purpose and count for neither (`_excess`)."""
     # Each call's own float32 replay decides (a layer may be called twice).
+    sound = _sound(run32)
     bad = [
-        (call, call32) for call, call32 in zip(run.calls, run32.calls) if call[2][1] or call[2][2]
+        (call, call32)
+        for call, call32 in zip(run.calls, run32.calls)
+        if _excess(call[2], call32[2], sound)
     ]
-    for (layer, dtype, (_, nan, inf), (_, in_nan, in_inf)), call32 in bad:
-        if not (in_nan or in_inf):
-            advice = _forward_advice(dtype, _float32_max(call32[2]), is_float8(layer))
+    for (layer, dtype, (_, nan, inf), inputs), call32 in bad:
+        if not _excess(inputs, call32[3], sound):
+            advice = _forward_advice(dtype, _float32_max(call32[2], sound), is_float8(layer))
             return _verdict(
                 "forward-overflow",
                 run.names[id(layer)],
@@ -495,11 +520,18 @@ def _with_operation(
     verdict: OverflowDiagnosis, replay: Callable, scale: float
 ) -> OverflowDiagnosis:
     """A forward overflow that a constant of the model's own code caused, too large for the
-    compute dtype (T5's mask bias of -1e9): the verdict names the operation and its line
-    (`_keras.op_watch`) in place of the guess. Values past the range keep their verdict."""
+    compute dtype (T5's mask bias of -1e9), or an underflow to 0 before a log or a division
+    (`log(softmax(x))`, `engine.underflow_to_zero`): the verdict names the operation and its
+    line (`_keras.op_watch`) in place of the guess. Values past the range keep their
+    verdict."""
     if verdict.cause != "forward-overflow":
         return verdict
     found = first_nonfinite_op(lambda: replay(scale))
+    guess = _INSIDE_GUESS.search(verdict.message)
+    finite = _FINITE_IN_FLOAT32.search(verdict.message)
+    underflow = underflow_to_zero(found, f"; {finite.group(0)}" if finite else "")
+    if guess is not None and underflow is not None:
+        return dataclasses.replace(verdict, message=verdict.message[: guess.start()] + underflow)
     if found is None or not found.constant:
         return verdict
     at = f" at {found.where}" if found.where else ""

@@ -19,9 +19,13 @@ repair's alike, because a replay asks what the step computed, and a step under `
   training mode: the step's finite check counts them (a non-finite amax), so does the replay.
 
 A replay in training mode writes state (moving statistics, dropout seed generators, a
-stateful RNN's states, `add_loss` losses): `_observe.state_put_back` puts every variable that
-is not trainable back as it was, bit for bit, so a replay changes nothing and two replays of
-the same batch (the model's dtypes, then float32) draw the same dropout seeds. A dropout in
+stateful RNN's states, a layer's own metrics, `add_loss` losses, and Keras's global seed
+generator, which an unseeded `keras.random.normal` in a layer draws from):
+`_observe.state_put_back` puts every variable that is not trainable back as it was, bit for
+bit (metrics' variables, which `model.variables` leaves out, and the optimizer's own state
+included), and the global seed generator too, so a replay changes nothing: a fit with
+`diagnose=N` ends with the weights of the same fit without it, and two replays of the same
+batch (the model's dtypes, then float32) draw the same seeds. A dropout in
 float32 draws its mask in float32, though: it can keep other values than in float16 (a
 float32 replay's numbers are a reference, not the same computation).
 
@@ -156,3 +160,38 @@ def bad_data(batch: Sequence[Any]) -> str | None:
                 "tf.math.is_finite)."
             )
     return None
+
+
+# What an operation makes of a 0, and the fix: a value that underflowed to 0 before it.
+_LOG_OF_ZERO = (
+    "-inf of that 0 (log(0)",
+    "Take the log of a softmax as keras.ops.log_softmax (or tf.nn.log_softmax), which never "
+    'forms the 0, or compute that layer in float32 (dtype="float32" on the layer).',
+)
+_DIVISIONS = ("Reciprocal", "RealDiv", "Div", "Rsqrt", "Xdivy", "FloorDiv")
+
+
+def underflow_to_zero(found: Any, reference: str = "") -> str | None:
+    """Where the first float16/bfloat16 operation that was not finite (a
+    `_keras.op_watch.NonfiniteOp`, or None) made Inf/NaN of a 0 from finite inputs: a value
+    that underflowed to 0 before it (a softmax's smallest probabilities), then log(0) or a
+    division by 0. What happened, with the fix, in a sentence or two (`reference`, after the
+    dtype's range: what the float32 replay showed, in parentheses); None for anything else."""
+    if found is None or not (found.inputs_finite and found.zero_input):
+        return None
+    if found.operation in ("Log", "Xlogy"):
+        made, fix = _LOG_OF_ZERO
+    elif found.operation in _DIVISIONS:
+        made = "Inf of that 0 (a division by 0"
+        fix = (
+            f"Keep the divisor from 0 (add an epsilon {found.dtype} holds, 1e-3 say), or compute "
+            'that layer in float32 (dtype="float32" on the layer).'
+        )
+    else:
+        return None
+    at = f", at {found.where}" if found.where else ""
+    return (
+        f"a value inside it underflows to 0 in {found.dtype} (a softmax's smallest "
+        f"probabilities, say), then {found.operation} makes {made}{at}): an underflow, not a "
+        f"value past {found.dtype}'s range{reference}. {fix}"
+    )
