@@ -40,9 +40,10 @@ class NonfiniteOp:
         constant: Bool. One of its inputs was already not finite, and no watched operation
             made it: a constant too large for the dtype (the model's own code).
         inputs_finite: Bool. Every input was finite: the operation's values passed the
-            dtype's range, or it made Inf/NaN of a 0 (`zero_input`).
-        zero_input: Bool. A floating-point input held an exact 0: with `inputs_finite`, a
-            `Log` or a division of a value that underflowed to 0 before it, say.
+            dtype's range, or it made Inf/NaN of a 0 (`zero_inputs`).
+        zero_inputs: Tuple of ints. The positions of the floating-point inputs that held an
+            exact 0: with `inputs_finite`, a `Log` of a value that underflowed to 0 before
+            it, or a division by one, say.
     """
 
     operation: str
@@ -50,7 +51,7 @@ class NonfiniteOp:
     where: str
     constant: bool
     inputs_finite: bool
-    zero_input: bool = False
+    zero_inputs: tuple[int, ...] = ()
 
 
 def _finite(tensor: Any) -> bool:
@@ -101,7 +102,7 @@ def first_nonfinite_op(run: Callable[[], Any]) -> NonfiniteOp | None:
                     model_line(traceback.extract_stack()),
                     constant,
                     not bad,
-                    any(_holds_zero(x) for x in inputs),
+                    tuple(i for i, x in enumerate(inputs) if _holds_zero(x)),
                 )
             )
         made.extend(bad_out)

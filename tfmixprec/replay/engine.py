@@ -168,7 +168,9 @@ _LOG_OF_ZERO = (
     "Take the log of a softmax as keras.ops.log_softmax (or tf.nn.log_softmax), which never "
     'forms the 0, or compute that layer in float32 (dtype="float32" on the layer).',
 )
-_DIVISIONS = ("Reciprocal", "RealDiv", "Div", "Rsqrt", "Xdivy", "FloorDiv")
+# Per operation, the input whose 0 it makes Inf/NaN of: log(0), x / 0.
+_LOGS = {"Log": 0, "Xlogy": 1}
+_DIVISIONS = {"Reciprocal": 0, "Rsqrt": 0, "RealDiv": 1, "Div": 1, "Xdivy": 1, "FloorDiv": 1}
 
 
 def underflow_to_zero(found: Any, reference: str = "") -> str | None:
@@ -176,19 +178,20 @@ def underflow_to_zero(found: Any, reference: str = "") -> str | None:
     `_keras.op_watch.NonfiniteOp`, or None) made Inf/NaN of a 0 from finite inputs: a value
     that underflowed to 0 before it (a softmax's smallest probabilities), then log(0) or a
     division by 0. What happened, with the fix, in a sentence or two (`reference`, after the
-    dtype's range: what the float32 replay showed, in parentheses); None for anything else."""
-    if found is None or not (found.inputs_finite and found.zero_input):
+    dtype's range: what the float32 replay showed); None for anything else."""
+    if found is None or not found.inputs_finite:
         return None
-    if found.operation in ("Log", "Xlogy"):
+    zero = {**_LOGS, **_DIVISIONS}.get(found.operation)
+    if zero is None or zero not in found.zero_inputs:
+        return None
+    if found.operation in _LOGS:
         made, fix = _LOG_OF_ZERO
-    elif found.operation in _DIVISIONS:
+    else:
         made = "Inf of that 0 (a division by 0"
         fix = (
             f"Keep the divisor from 0 (add an epsilon {found.dtype} holds, 1e-3 say), or compute "
             'that layer in float32 (dtype="float32" on the layer).'
         )
-    else:
-        return None
     at = f", at {found.where}" if found.where else ""
     return (
         f"a value inside it underflows to 0 in {found.dtype} (a softmax's smallest "
