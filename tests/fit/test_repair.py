@@ -159,16 +159,23 @@ def test_bad_data_is_named_not_repaired(capsys):
     assert all(layer.compute_dtype != "float32" for layer in model.layers[1:-1])
 
 
-def test_nothing_is_repaired_when_the_scale_suffices():
+def test_nothing_is_repaired_when_the_scale_suffices(capsys):
     """Gradients past 65504 at 2^15 but finite lower down: 7 overflows in a row, judged once
-    (the scale absorbs them), no repair."""
+    (the scale absorbs them), no repair; the judgment is recorded and printed, cause none."""
     model = overflow_model("norm")
     big = model.get_layer("big")
     big.kernel.assign(np.full(big.kernel.shape, 0.1, "float32"))
     x, _ = overflowing(every=10**6)
     repair = tfmixprec.PrecisionRepair()
     _fit(model, repair, epochs=1, data=(x, np.full((256, 1), 3.0, "float32")))
-    assert repair.judgments == repair.repairs == []
+    assert repair.repairs == []
+    none = tfmixprec.Repair(4, (), "none", tfmixprec.fit.repair.NONE_MESSAGE)
+    assert repair.judgments == [none]
+    assert str(none) == (
+        "PrecisionRepair: step 4: not repaired (none): only the scaled gradients overflowed, "
+        "which the dynamic loss scale absorbs"
+    )
+    assert str(none) in capsys.readouterr().out.splitlines()
     assert model.optimizer.read_state()["overflow_steps"] >= 5
 
 

@@ -68,6 +68,10 @@ _CAUSES = (
 )
 
 
+# A judgment of cause "none": the replay is finite unscaled, only the scaled gradients were not.
+NONE_MESSAGE = "only the scaled gradients overflowed, which the dynamic loss scale absorbs"
+
+
 @dataclasses.dataclass(frozen=True)
 class Repair:
     """One judgment of `PrecisionRepair`: a repair, or why there was none.
@@ -78,7 +82,8 @@ class Repair:
         cause: String. `"forward-overflow"`, `"near-overflow"` or `"backward-overflow"`
             (repaired), `"loss-overflow"` (the loss overflows by itself: repaired where its
             `keras.losses.Loss` computes in float16 or bfloat16 by its own dtype, which moves
-            to float32), `"bad-data"` or `"not-precision"` (not repaired).
+            to float32), `"bad-data"` or `"not-precision"` (not repaired), or `"none"`
+            (not repaired: only the scaled gradients overflowed, and the scale absorbs it).
         message: String. What was found, in a sentence.
         loss_scale: Float. For a repair, the scale training goes on at: the largest the
             replay verifies finite with the layers moved (as `calibrate`'s `initial_scale`);
@@ -277,8 +282,6 @@ class PrecisionRepair(keras.callbacks.Callback):
         # The scale to go on at, with the agreed layers, on every worker's batches: the least.
         fixed = layers or found.loss is not None  # with the loss in float32: the replayer's
         scale = _least(self.model, _scale_with(replayer, layers, step) if fixed else 0.0)
-        if found.cause == "none":
-            return  # the scaled gradients overflowed: the dynamic scale absorbs it
         keys = layer_names(self.model)
         message = _message(found, keys)
         names = tuple(keys[id(layer)] for layer in layers)
@@ -309,6 +312,8 @@ class PrecisionRepair(keras.callbacks.Callback):
 def _message(found: Float32Set, keys: dict[int, str]) -> str:
     """What a judgment found, in a sentence: its problem, else the reason of what its cause
     moved first (the loss for `loss-overflow`, else the first layer)."""
+    if found.cause == "none":
+        return NONE_MESSAGE
     if found.problem is not None:
         return found.problem
     if found.loss is not None and (found.cause == "loss-overflow" or not found.layers):
