@@ -106,5 +106,5 @@ def test_nan_on_zeros_in_float32_too_is_not_the_precisions():
     with tfmixprec.policy_scope("mixed_float16"):
         inputs = keras.Input((8,))
         hidden = keras.layers.Dense(8, name="dense")(SumNorm(name="norm")(inputs))
-        model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(hidden))
+        model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="out")(hidden))
     assert [f.code for f in tfmixprec.audit(model).errors if f.code == "nonfinite-output"] == []
