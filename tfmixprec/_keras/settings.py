@@ -16,16 +16,17 @@ import tensorflow as tf
 # so the public functions cannot tell "unset" apart nor put it back.
 from keras.src.backend.common import global_state
 
-# Why: an unseeded `keras.random.normal` draws from Keras's global `SeedGenerator`, kept in the
-# same private `global_state` under this name and created on first use; Keras offers no public
-# reader of it (`keras.utils.set_random_seed` replaces it, which is another setting).
-from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
-
 # Why: TensorFlow keeps the grappler options set in this process in the eager context's
 # private `_optimizer_experimental_options`: `tf.config.optimizer.set_experimental_options`
 # sets an option but cannot unset one, so an option the process never set could only be put
 # back as its default, which is another setting (the audit once left `remapping` True).
 from tensorflow.python.eager import context
+
+# Why: an unseeded `keras.random.normal` draws from Keras's global `SeedGenerator`, kept in the
+# same private `global_state` under this name and created on first use; Keras offers no public
+# reader of it (`keras.utils.set_random_seed` replaces it, which is another setting). Keras
+# 3.12 writes the name as a literal; later releases name it `GLOBAL_SEED_GENERATOR`.
+GLOBAL_SEED_GENERATOR = "global_seed_generator"
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
