@@ -1,5 +1,6 @@
 """Small float16 models whose values pass 65504 in one known way (finite in float32), shared
-by test_calibration and test_repair."""
+by test_calibration and test_repair; a run with an overflow and bad data (diagnosis, the
+keeper); a tiny KerasHub MoE decoder whose training call mixes dtypes (model code, audit)."""
 
 import contextlib
 
@@ -104,3 +105,40 @@ def loss_model(loss=None, strategy=None):
 def loss_data(n=64):
     """Inputs of ones (outputs of exactly 1.0) and labels of 400."""
     return np.ones((n, 8), "float32"), np.full((n, 1), 400.0, "float32")
+
+
+def bad_run_model(jit_compile=False, **compile_args):
+    """A float16 MixedPrecisionModel and 32 rows: batch 1 (of 8) is finite but not in float16,
+    batch 3 holds a NaN."""
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(16, name="big")(inputs)
+        outputs = keras.layers.Dense(1, name="out", dtype="float32")(hidden)
+        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+        optimizer = tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0)
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile, **compile_args)
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    x[9, 0] = 1e6  # batch 1: finite, but not in float16
+    x[25, 1] = np.nan  # batch 3: bad data
+    return model, x, np.ones((32, 1), "float32")
+
+
+def tiny_moe(backbone, task):
+    """A tiny KerasHub MoE decoder (`backbone` and `task` classes) from its config, under
+    mixed_float16, compiled the ordinary way."""
+    common = dict(
+        vocabulary_size=64,
+        num_layers=1,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        num_experts=4,
+        top_k=2,
+    )
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        model = task(backbone=backbone(common), preprocessor=None)
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model

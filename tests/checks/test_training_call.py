@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from overflow_models import tiny_moe
 
 import tfmixprec
 from tfmixprec._common.layers import iter_layers
@@ -108,23 +109,8 @@ MOE = {
 
 
 def _moe(name):
-    """A tiny KerasHub MoE decoder from its config, under mixed_float16, compiled as usual."""
     backbone, task, _ = MOE[name]
-    common = dict(
-        vocabulary_size=64,
-        num_layers=1,
-        num_query_heads=4,
-        num_key_value_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        num_experts=4,
-        top_k=2,
-    )
-    keras.utils.set_random_seed(0)
-    with tfmixprec.policy_scope("mixed_float16"):
-        model = task(backbone=backbone(common), preprocessor=None)
-        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+    return tiny_moe(backbone, task)
 
 
 @pytest.mark.parametrize("name", sorted(MOE))

@@ -8,8 +8,8 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from overflow_models import bad_run_model, overflowing
 from overflow_models import model as overflow_model
-from overflow_models import overflowing
 from tensorflow.python.framework import ops as tf_ops
 
 import tfmixprec
@@ -120,7 +120,7 @@ def test_narrow_integers_and_bool_are_kept_in_their_own_dtype(jit_compile):
 
 def test_reading_a_kept_batch_copies_that_batch_alone():
     """`kept` copies the rows of the slot it reads, not every row of the variable."""
-    model, x, y = _bad_run_model()
+    model, x, y = bad_run_model(jit_compile="auto")
     keeper = model.keep_overflow_batches(3)
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     copied = []
@@ -138,20 +138,6 @@ def test_reading_a_kept_batch_copies_that_batch_alone():
         tf_ops._EagerTensorBase._numpy = original
     assert [k.step for k in kept] == [1, 3]
     assert max(copied) == 8 * 8 * 4  # one batch of x (8 x 8 float32), not 5 rows of it
-
-
-def _bad_run_model():
-    keras.utils.set_random_seed(0)
-    with tfmixprec.policy_scope("mixed_float16"):
-        inputs = keras.Input((8,))
-        hidden = keras.layers.Dense(16, name="big")(inputs)
-        outputs = keras.layers.Dense(1, name="out", dtype="float32")(hidden)
-        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
-        model.compile(tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0), "mse")
-    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
-    x[9, 0] = 1e6  # batch 1: finite, but not in float16
-    x[25, 1] = np.nan  # batch 3: bad data
-    return model, x, np.ones((32, 1), "float32")
 
 
 @pytest.mark.parametrize("kind", ["keras", "mixed_precision_model"])
@@ -193,7 +179,7 @@ def test_a_dormant_keeper_holds_no_batch(kind):
 def test_diagnose_is_not_starved_by_a_keeper_filled_before(jit_compile):
     """After keep_overflow_batches(1) filled in one fit, diagnose=3 in the next replays that
     fit's first 3 overflow steps (from the keeper's newest slot), each at its step."""
-    model, x, y = _bad_run_model()
+    model, x, y = bad_run_model(jit_compile="auto")
     model.jit_compile = jit_compile
     keeper = model.keep_overflow_batches(1)
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
@@ -212,7 +198,7 @@ def test_diagnose_is_not_starved_by_a_keeper_filled_before(jit_compile):
 def test_diagnose_says_which_overflows_a_full_keeper_could_not_give():
     """With several overflow steps in one execution past a full keeper, diagnose= replays the
     newest and says it, once."""
-    model, x, y = _bad_run_model()
+    model, x, y = bad_run_model(jit_compile="auto")
     model.compile(
         tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0), "mse", steps_per_execution=2
     )

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from overflow_models import loss_data, loss_model
+from overflow_models import bad_run_model, loss_data, loss_model
 from tensorboard.backend.event_processing import event_accumulator
 
 import tfmixprec
@@ -238,26 +238,11 @@ def test_overflow_scale_without_a_recorded_scale_is_the_current_one():
     assert optimizer.overflow_scale() == 64.0
 
 
-def _bad_run_model(jit_compile=False, **compile_args):
-    keras.utils.set_random_seed(0)
-    with tfmixprec.policy_scope("mixed_float16"):
-        inputs = keras.Input((8,))
-        hidden = keras.layers.Dense(16, name="big")(inputs)
-        outputs = keras.layers.Dense(1, name="out", dtype="float32")(hidden)
-        model = tfmixprec.MixedPrecisionModel(inputs, outputs)
-        optimizer = tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0)
-        model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile, **compile_args)
-    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
-    x[9, 0] = 1e6  # batch 1: finite, but not in float16
-    x[25, 1] = np.nan  # batch 3: bad data
-    return model, x, np.ones((32, 1), "float32")
-
-
 @pytest.mark.parametrize("jit_compile", ["auto", True])
 def test_callbacks_replay_overflow_steps_automatically(tmp_path, capsys, jit_compile):
     """Keras's default "auto" (XLA on a GPU, none on a CPU) and XLA: the step keeps the
     batches on the device, and the replays are the same."""
-    model, x, y = _bad_run_model(jit_compile=jit_compile)
+    model, x, y = bad_run_model(jit_compile=jit_compile)
     monitor = tfmixprec.LossScaleMonitor(verbose=1, update_freq=100, diagnose=3)
     board = tfmixprec.TensorBoard(str(tmp_path), update_freq=1, diagnose=1)
     fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[monitor, board])
@@ -298,7 +283,7 @@ def test_diagnose_on_a_plain_keras_model(compiled):
         else:
             optimizer = tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0)
         model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
-    _, x, y = _bad_run_model()
+    _, x, y = bad_run_model()
     monitor = tfmixprec.LossScaleMonitor(diagnose=2)
     model_class = type(model)
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor])
@@ -317,7 +302,7 @@ def test_diagnose_without_loss_scaling_has_nothing_to_replay():
     with tfmixprec.policy_scope("mixed_bfloat16"):
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1, dtype="float32")])
         model.compile(optimizer="sgd", loss="mse")
-    _, x, y = _bad_run_model()
+    _, x, y = bad_run_model()
     monitor = tfmixprec.LossScaleMonitor(diagnose=2)
     model.fit(x[:24], y[:24], batch_size=8, verbose=0, callbacks=[monitor])
     assert monitor.diagnoses == [] and not _keeping(model)
@@ -325,7 +310,7 @@ def test_diagnose_without_loss_scaling_has_nothing_to_replay():
 
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_keeping_overflow_batches_keeps_the_data_and_stops(jit_compile):
-    model, x, y = _bad_run_model(jit_compile=jit_compile)
+    model, x, y = bad_run_model(jit_compile=jit_compile)
     keeper = model.keep_overflow_batches(1)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     (kept,) = keeper.kept
@@ -342,7 +327,7 @@ def test_keeping_overflow_batches_keeps_the_data_and_stops(jit_compile):
 def test_a_ragged_last_batch_is_kept_as_it_was(jit_compile):
     """The slots hold the largest batch; a smaller last batch that overflows comes back with
     its own rows, with XLA too (the rows keep their size within a step)."""
-    model, x, y = _bad_run_model(jit_compile=jit_compile)
+    model, x, y = bad_run_model(jit_compile=jit_compile)
     x, y = x[:30], y[:30]  # batches of 8, 8, 8 and 6; the last holds the NaN
     keeper = model.keep_overflow_batches(3)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
@@ -361,7 +346,7 @@ def test_automatic_diagnosis_bad_input():
         tfmixprec.LossScaleMonitor(diagnose=-1)
     with pytest.raises(ValueError, match="Received: diagnose=True"):
         tfmixprec.TensorBoard("logs", diagnose=True)
-    model, x, y = _bad_run_model()
+    model, x, y = bad_run_model()
     with pytest.raises(ValueError, match="limit must be an int >= 0. Received: limit=-2"):
         model.keep_overflow_batches(-2)
 
@@ -377,7 +362,7 @@ class _RaiseAt(keras.callbacks.Callback):
 
 
 def test_a_failed_fit_leaves_no_keeping_behind():
-    model, x, y = _bad_run_model()
+    model, x, y = bad_run_model()
     monitor = tfmixprec.LossScaleMonitor(diagnose=2)
     with pytest.raises(RuntimeError, match="stop here"):
         model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor, _RaiseAt(1)])
@@ -409,7 +394,7 @@ def test_a_batch_that_cannot_be_replayed_never_stops_training():
 
 
 def test_diagnose_where_batches_cannot_be_kept_warns_and_trains():
-    model, x, y = _bad_run_model()
+    model, x, y = bad_run_model()
     model.compile(
         optimizer=tfmixprec.LossScaleOptimizer("sgd", accumulation_steps=2),
         loss="mse",
@@ -429,7 +414,7 @@ def _keeping(model):
 
 
 def _plain_bad_run_model():
-    """`_bad_run_model`'s layers in a plain keras.Model with a tfmixprec optimizer."""
+    """`bad_run_model`'s layers in a plain keras.Model with a tfmixprec optimizer."""
     keras.utils.set_random_seed(0)
     with tfmixprec.policy_scope("mixed_float16"):
         inputs = keras.Input((8,))
@@ -450,7 +435,7 @@ def test_diagnose_after_a_fit_that_raised_on_a_plain_model():
                 raise RuntimeError("stop here")
 
     model = _plain_bad_run_model()
-    _, x, y = _bad_run_model()
+    _, x, y = bad_run_model()
     fit = dict(batch_size=8, shuffle=False, verbose=0)
     with pytest.raises(RuntimeError, match="stop here"):
         model.fit(x, y, **fit, callbacks=[tfmixprec.LossScaleMonitor(diagnose=1), Stop()])
@@ -472,7 +457,7 @@ def test_diagnose_keeps_a_train_step_set_on_the_instance():
         return logs
 
     model.train_step = own_step
-    _, x, y = _bad_run_model()
+    _, x, y = bad_run_model()
     history = model.fit(
         x,
         y,
@@ -511,7 +496,7 @@ def test_a_layer_called_twice_is_judged_by_the_call_that_overflowed():
 def test_several_overflow_steps_in_one_execution_are_all_kept():
     """With steps_per_execution=4 the callbacks run once per 4 steps: the step keeps the
     batches of the first N overflow steps itself, not the host between executions."""
-    model, x, y = _bad_run_model(steps_per_execution=4)
+    model, x, y = bad_run_model(steps_per_execution=4)
     keeper = model.keep_overflow_batches(2)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert [(k.step, k.scale) for k in keeper.kept] == [(1, 8.0), (3, 4.0)]
@@ -519,7 +504,7 @@ def test_several_overflow_steps_in_one_execution_are_all_kept():
 
 
 def test_an_eager_step_keeps_its_batches_too():
-    model, x, y = _bad_run_model(run_eagerly=True)
+    model, x, y = bad_run_model(run_eagerly=True)
     keeper = model.keep_overflow_batches(1)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     (kept,) = keeper.kept
@@ -528,7 +513,7 @@ def test_an_eager_step_keeps_its_batches_too():
 
 
 def test_a_batch_that_is_not_dense_is_said_and_not_kept():
-    model, _, _ = _bad_run_model()
+    model, _, _ = bad_run_model()
     keeper = tfmixprec.OverflowBatches(1)
     ragged = (tf.ragged.constant([[1.0], [2.0, 3.0]]), tf.ones((2, 1)))
     with pytest.warns(UserWarning, match="batches are not kept: a RaggedTensor in the batch"):
@@ -546,7 +531,7 @@ def test_a_batch_that_is_not_dense_is_said_and_not_kept():
 def test_repair_joining_diagnose_in_a_later_fit_keeps_both():
     """A dormant keeper traced for diagnose= alone holds no newest batch: when a later fit
     adds PrecisionRepair, it makes its slots again with it, and both callbacks work."""
-    model, x, y = _bad_run_model()
+    model, x, y = bad_run_model()
     x[9, 0] = 0.0  # only the NaN batch overflows in the first fit
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0,
               callbacks=[tfmixprec.LossScaleMonitor(diagnose=1)])  # fmt: skip
@@ -571,7 +556,7 @@ def test_xla_with_several_replicas_cannot_keep_batches(two_cpu_strategy):
 def test_a_batch_of_unknown_size_and_batches_that_grow(jit_compile):
     """A `tf.data` batch declares no size, and each batch here is longer than the one before
     (sequences sorted by length): the rows grow in the step, and every overflow is kept."""
-    model, x, y = _bad_run_model(jit_compile=jit_compile)
+    model, x, y = bad_run_model(jit_compile=jit_compile)
     x[1, 0] = 1e6  # batch 0 overflows too
     sizes = [4, 8, 8, 12]  # the NaN row 25 in the last and longest
     starts = np.cumsum([0, *sizes])
@@ -595,7 +580,7 @@ def test_a_keeper_inside_an_xla_step_keras_built_grows_between_steps():
     """`keep_overflow_batches`, then a `compile()`: Keras builds the XLA step itself, and the
     keeper runs inside it with rows of fixed size. A batch larger than any before is not kept
     (said), the rows grow between steps, and the next overflow is kept."""
-    model, x, y = _bad_run_model()
+    model, x, y = bad_run_model()
     x[1, 0] = 1e6  # batch 0 overflows too
     keeper = model.keep_overflow_batches(3)
     model.compile(

@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from overflow_models import tiny_moe
 
 import tfmixprec
 from tfmixprec.replay.clash import clash_of
@@ -115,20 +116,7 @@ MOE = {
 def _moe(name):
     """A tiny KerasHub MoE decoder under mixed_float16, compiled the ordinary way."""
     backbone, task, _, _ = MOE[name]
-    common = dict(
-        vocabulary_size=64,
-        num_layers=1,
-        num_query_heads=4,
-        num_key_value_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        num_experts=4,
-        top_k=2,
-    )
-    keras.utils.set_random_seed(0)
-    with tfmixprec.policy_scope("mixed_float16"):
-        model = task(backbone=backbone(common), preprocessor=None)
-        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = tiny_moe(backbone, task)
     tokens = np.random.default_rng(0).integers(1, 64, (2, 9)).astype("int32")
     x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((2, 8), "int32")}
     return model, (x, tokens[:, 1:])
