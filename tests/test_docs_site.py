@@ -4,6 +4,7 @@ to pages that exist. The pages' code blocks run in tests/test_docs.py."""
 
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -38,11 +39,12 @@ def _mkdocs_or_skip() -> None:
     pytest.skip(message)
 
 
-def test_mkdocs_build_strict(tmp_path):
-    """`mkdocs build --strict` (any warning fails it), into a temporary folder; every page of
-    the nav is built and the API reference holds every public name."""
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`mkdocs build --strict` into a temporary folder, once for this file: the folder and the
+    finished process."""
     _mkdocs_or_skip()
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("docs") / "site"
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
@@ -51,6 +53,13 @@ def test_mkdocs_build_strict(tmp_path):
         text=True,
         timeout=300,
     )
+    return site, result
+
+
+def test_mkdocs_build_strict(built_site):
+    """`mkdocs build --strict` (any warning fails it), into a temporary folder; every page of
+    the nav is built and the API reference holds every public name."""
+    site, result = built_site
     assert result.returncode == 0, result.stdout + result.stderr
     assert "WARNING" not in result.stderr, result.stderr
     # The docs extra's formatter (ruff) is installed with mkdocstrings: signatures formatted.
@@ -150,3 +159,70 @@ def test_ci_builds_the_docs():
     assert re.search(r"^export CI_DOCS=1\b", ci, re.M)
     assert re.search(r'mkdocs" build --strict --site-dir "\$SITE"', ci)
     assert "docs = [" in (ROOT / "pyproject.toml").read_text()
+
+
+# What Keras calls on a subclass (building, config, saving, callback hooks) is left out of the
+# API reference; an override a user calls is shown, each with why.
+USER_OVERRIDES = {
+    "apply": "a GradientTape loop passes its gradients to it",
+    "compile": "takes tfmixprec's optimizer and loss-scale arguments",
+    "scale_loss": "a GradientTape loop scales its loss with it (Keras 3's name)",
+    "fit": "adds the epoch's overflow count to the logs",
+    "train_step": "a custom train_step calls it through super()",
+}
+
+
+def _reference_objects(site: Path) -> dict[str, tuple[object, object]]:
+    """Each object the built API reference shows, by its id: (its owner, the object)."""
+    html = (site / "reference" / "index.html").read_text()
+    shown = {}
+    for path in dict.fromkeys(re.findall(r'id="(tfmixprec(?:\.\w+)+)"', html)):
+        parts = path.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest prefix that is a module
+            try:
+                owner = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ModuleNotFoundError:
+                continue
+        value, owner_of_value = owner, None
+        for part in parts[cut:]:
+            owner_of_value = value
+            value = inspect.getattr_static(value, part)
+        shown[path] = (owner_of_value, value)
+    return shown
+
+
+def test_reference_leaves_out_keras_plumbing(built_site):
+    """No member the API reference shows is one Keras defines on the base class (what Keras
+    calls: `build`, `get_config`, `finalize_variable_values`, `save_own_variables`, callback
+    hooks), except an override a user calls (USER_OVERRIDES); nor the state the step keeps
+    for itself (`hysteresis_tracker`)."""
+    import keras
+
+    bases = [keras.optimizers.Optimizer, keras.layers.Layer, keras.callbacks.Callback]
+    shown = _reference_objects(built_site[0])
+    plumbing = [
+        path
+        for path, (owner, _) in shown.items()
+        if inspect.isclass(owner)
+        and any(hasattr(base, path.rpartition(".")[2]) for base in bases if issubclass(owner, base))
+        and path.rpartition(".")[2] not in USER_OVERRIDES
+    ]
+    assert plumbing == []
+    assert "tfmixprec.LossScaleOptimizer.hysteresis_tracker" not in shown
+    assert "tfmixprec.LossScaleOptimizer.scale_loss" in shown
+
+
+def test_reference_signatures_name_their_return_types(built_site):
+    """Every function, method and property the API reference shows says what it returns, and
+    not `Any`."""
+    untyped = []
+    for path, (_, value) in _reference_objects(built_site[0]).items():
+        function = value.fget if isinstance(value, property) else value
+        function = getattr(function, "__func__", function)  # classmethod, staticmethod
+        if not inspect.isfunction(function):
+            continue
+        returns = inspect.signature(function).return_annotation
+        if returns is inspect.Signature.empty or str(returns) in ("Any", "typing.Any"):
+            untyped.append(path)
+    assert untyped == [], "\n".join(untyped)

@@ -156,7 +156,9 @@ def check_policy_name(name: Any) -> str:
     return name
 
 
-def set_policy(name: str | keras.DTypePolicy, hardware: HardwareInfo | None = None) -> Any:
+def set_policy(
+    name: str | keras.DTypePolicy, hardware: HardwareInfo | None = None
+) -> keras.DTypePolicy:
     """Sets Keras's global dtype policy; `"auto"` picks one by hardware.
 
     Args:

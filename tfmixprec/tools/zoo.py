@@ -25,6 +25,7 @@ from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 __all__ = ["MODELS", "SIZES", "ZooModel", "build"]
 
@@ -75,11 +76,9 @@ class ZooModel:
     batch_size: int
     data: Callable[..., tuple[Any, Any, Any]]
 
-    def dataset(self, steps: int, seed: int = 0) -> Any:
+    def dataset(self, steps: int, seed: int = 0) -> tf.data.Dataset:
         """`data(steps, seed)` as a repeated `tf.data.Dataset` of `batch_size` batches (with
         the weights where the task has them), for `fit(..., steps_per_epoch=...)`."""
-        import tensorflow as tf
-
         x, y, weights = self.data(steps, seed)
         data = (x, y) if weights is None else (x, y, weights)
         return tf.data.Dataset.from_tensor_slices(data).batch(self.batch_size).repeat()
