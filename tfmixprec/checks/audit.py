@@ -13,6 +13,11 @@ from typing import Any
 import keras
 
 from tfmixprec._keras.settings import settings_kept
+from tfmixprec.checks.audit_alignment import ALIGNMENT as ALIGNMENT
+from tfmixprec.checks.audit_alignment import IMAGE_CHANNELS as IMAGE_CHANNELS
+from tfmixprec.checks.audit_alignment import IMAGE_INPUT as IMAGE_INPUT
+from tfmixprec.checks.audit_alignment import LARGE_PRODUCT as LARGE_PRODUCT
+from tfmixprec.checks.audit_alignment import PADDING_COST as PADDING_COST
 from tfmixprec.checks.audit_alignment import tensor_core_alignment
 from tfmixprec.checks.audit_context import AuditContext, gather_context
 from tfmixprec.checks.audit_float8 import (

@@ -25,11 +25,7 @@ __all__: list[str] = []
 
 
 ALIGNMENT = 8  # NVIDIA: multiples of 8 for float16 on Tensor Cores
-
-
 IMAGE_CHANNELS = 4  # NVIDIA: a first convolution on 3-channel images needs 4 at stride >= 2
-
-
 # The smaller of a matmul's N and K from which its Tensor Core alignment is reported. A
 # product of M x K by K x N in 16-bit does MNK / (MK + KN + MN) < min(M, N, K) flops per byte
 # it moves, so with N or K under 128 it does fewer than 128: below the ~140 (V100), 150-200
@@ -37,14 +33,10 @@ IMAGE_CHANNELS = 4  # NVIDIA: a first convolution on 3-channel images needs 4 at
 # rather than memory sets its time. There padding buys little and costs much (a 10-class head
 # padded to 16 does 60% more work); from 128 on it costs at most 5.4% (7 in 129).
 LARGE_PRODUCT = 128
-
-
 # The most padding may add to a product's work to be advised: a convolution's K is its input
 # channels times its window, so 3 channels padded to 8 add 167% even where K is large. An
 # image's first convolution is the exception NVIDIA's guide makes itself (3 channels to 4).
 PADDING_COST = 0.125
-
-
 IMAGE_INPUT = "input channels (a first convolution's, at stride >= 2)"
 
 

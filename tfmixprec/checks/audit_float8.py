@@ -37,8 +37,6 @@ _ROLE_FINDINGS = {
 
 
 _FLOAT8_PAGE = "guides/float8"
-
-
 _FLOAT8_FIX = (
     "Quantize the model with tfmixprec.float8_layers(model) instead of "
     "model.quantize('float8'): it leaves this layer out of float8."
