@@ -65,8 +65,8 @@ class Float32Set:
 
 def float32_set(replayer: Replayer) -> Float32Set:
     """The smallest set of layers of the replayer's model that must compute in float32 for
-    every one of its batches to run finite forward and backward (unscaled); see the module's
-    docstring. Changes no state."""
+    every one of its batches to run finite forward and backward (unscaled); see the docstring
+    of `tfmixprec.replay.calibration`. Changes no state."""
     for batch in replayer.batches:
         bad = bad_data(batch)
         if bad is not None:

@@ -99,7 +99,8 @@ class OverflowDiagnosis:
     """What the replay of one batch found: the cause, the layer, and the numbers behind them.
 
     Attributes:
-        cause: String. One of `CAUSES` (see the module's docstring).
+        cause: String. One of `CAUSES` (each explained in the docstring of
+            `tfmixprec.replay.diagnosis`).
         layer: String or None. The first layer where the cause appears.
         message: String. What happened and what to do, in a sentence or two.
         loss_scale: Float. The scale replayed.
