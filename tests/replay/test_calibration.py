@@ -110,7 +110,7 @@ def test_apply_changes_the_layers_and_the_scale_and_returns_the_changes():
     assert [(c.layer, c.old, c.new) for c in changes] == [
         ("big", "mixed_float16", "float32"),
         ("proj", "mixed_float16", "float32"),
-        ("loss_scale", "32768", tfmixprec.calibration.format_scale(report.initial_scale)),
+        ("loss_scale", "32768", tfmixprec.scaling.loss_scale.format_scale(report.initial_scale)),
     ]
     assert model.get_layer("big").compute_dtype == "float32"
     assert float(model.optimizer.loss_scale) == report.initial_scale

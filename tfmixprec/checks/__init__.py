@@ -4,7 +4,8 @@ file, read without running its code) and the doctor.
 What it offers, by module (each module's `__all__`).
 """
 
-from tfmixprec.checks.audit import AuditReport, Finding, LayerDtypes, audit
+from tfmixprec.checks.audit import audit
+from tfmixprec.checks.audit_report import AuditReport, Finding, LayerDtypes
 from tfmixprec.checks.doctor import DoctorReport, doctor
 
 __all__ = [

@@ -29,8 +29,9 @@ import tensorflow as tf
 from tfmixprec._common.layers import layer_names
 from tfmixprec._common.observe import zeros_like_inputs
 from tfmixprec._common.targets import made_up_targets
-from tfmixprec.replay.calibration import Replayer, float32_set
+from tfmixprec.replay.calibration_search import float32_set
 from tfmixprec.replay.clash import DtypeClash, DtypeClashError
+from tfmixprec.replay.replayer import Replayer
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 

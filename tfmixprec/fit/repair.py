@@ -44,14 +44,8 @@ from tfmixprec._keras.losses import loss_dtype, set_loss_dtype
 from tfmixprec.fit.overflow_batches import keep_for_callbacks, stop_keeping_for_callbacks
 from tfmixprec.fit.reader import FitReader
 from tfmixprec.precision.float8 import is_float8
-from tfmixprec.replay.calibration import (
-    Float32Set,
-    Replayer,
-    float32_set,
-    move_to_float32,
-    starting_scale,
-    warn_not_recorded,
-)
+from tfmixprec.replay.calibration_search import Float32Set, float32_set, starting_scale
+from tfmixprec.replay.replayer import Replayer, move_to_float32, warn_not_recorded
 from tfmixprec.scaling.loss_scale import format_scale
 
 __all__ = ["PrecisionRepair", "Repair"]

@@ -4,13 +4,14 @@
 What it offers, by module (each module's `__all__`).
 """
 
-from tfmixprec.replay.calibration import CalibrationReport, LayerCalibration, calibrate
-from tfmixprec.replay.diagnosis import (
+from tfmixprec.replay.calibration import calibrate
+from tfmixprec.replay.calibration_report import CalibrationReport, LayerCalibration
+from tfmixprec.replay.diagnosis import explain_overflow
+from tfmixprec.replay.diagnosis_report import (
     Float8Quantized,
     Float8Replay,
     LayerReplay,
     OverflowDiagnosis,
-    explain_overflow,
 )
 
 __all__ = [
