@@ -236,10 +236,10 @@ class MixedPrecisionMixin(MultiWorkerFit):
                 "MixedPrecisionModel.train_step needs a tfmixprec.LossScaleOptimizer; compile "
                 f"the model with compile(). Received: optimizer={self.optimizer!r}"
             )
-        with guard_state(self, self.optimizer):  # a skipped step changes no variable
+        with guard_state(self, self.optimizer) as guarded:  # a skipped step changes nothing
             logs = super().train_step(data)
         logs = dict(metrics_after_guard(self, logs))  # the means over the applied steps
-        logs.update(self.optimizer.snapshot())
+        logs.update(self.optimizer.snapshot(guarded.skipped))
         return logs
 
     train_step.tfmixprec_guarded = True  # the callbacks wrap no further guard around it
@@ -422,7 +422,7 @@ def make_train_step(
     optimizer = _optimizer_for(model, optimizer)
 
     def step(x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
-        with guard_state(model, optimizer):  # a skipped step changes no variable
+        with guard_state(model, optimizer) as guarded:  # a skipped step changes no variable
             with tf.GradientTape() as tape:
                 y_pred = model(x, training=True)
                 if sample_weight is None:
@@ -432,7 +432,7 @@ def make_train_step(
                 scaled_loss = optimizer.scale_loss(loss)
             variables = model.trainable_variables
             optimizer.apply(tape.gradient(scaled_loss, variables), variables)
-        return {"loss": ops.cast(loss, "float32"), **optimizer.snapshot()}
+        return {"loss": ops.cast(loss, "float32"), **optimizer.snapshot(guarded.skipped)}
 
     compiled = tf.function(step, jit_compile=jit_compile)
     compiled.optimizer = optimizer

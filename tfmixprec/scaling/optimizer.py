@@ -489,13 +489,13 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         graph."""
         return self._loss_scale.step_numbers(self.iterations)["last_overflow_step"]
 
-    def snapshot(self) -> dict[str, tf.Tensor]:
+    def snapshot(self, skipped: tf.Tensor | None = None) -> dict[str, tf.Tensor]:
         """The loss-scale values for logs, read in the graph (no host sync; after `apply`
         they include that step). See `LossScale.snapshot`. With accumulation only the
-        micro-batch that ends a window can be an overflow step: `overflow` is 0 inside one."""
-        values = self._loss_scale.log_values(self.iterations)
-        values["overflow"] = tf.cast(self.skipped(), tf.float32)
-        return values
+        micro-batch that ends a window can be an overflow step: `overflow` is 0 inside one.
+        `skipped`: `skipped()` as the caller read it after this step's `apply` (one read)."""
+        skipped = self.skipped() if skipped is None else skipped
+        return self._loss_scale.log_values(self.iterations, skipped)
 
     def skipped(self) -> tf.Tensor:
         """Whether the step that just ran was skipped (a scalar bool, read in the graph):
