@@ -31,7 +31,8 @@ from tfmixprec.fit.overflow_batches import (
 )
 from tfmixprec.precision import cpu_bfloat16, cpu_float16
 from tfmixprec.scaling.loss_scale import default_config
-from tfmixprec.scaling.optimizer import LossScaleOptimizer, resolve_optimizer
+from tfmixprec.scaling.optimizer import LossScaleOptimizer
+from tfmixprec.scaling.optimizer_args import resolve_optimizer
 from tfmixprec.scaling.state_guard import guard_state, metrics_after_guard
 
 __all__ = [
