@@ -168,12 +168,12 @@ def metrics_after_guard(model: keras.Model, logs: Any) -> Any:
         return logs
     results = model.get_metrics_result()
     count = loss_tracker_count(model)
+    nothing = None if count is None else tf.equal(read_now(count), 0)  # one read, every key
     fresh = {}
     for key, value in logs.items():
         if key in results:
             value = tf.convert_to_tensor(results[key])
-            if count is not None and value.dtype.is_floating:
-                nothing = tf.equal(read_now(count), 0)
+            if nothing is not None and value.dtype.is_floating:
                 value = tf.where(nothing, tf.constant(float("nan"), value.dtype), value)
         fresh[key] = value
     return fresh
