@@ -481,8 +481,10 @@ def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
             optimizer = model.optimizer  # read while tracing: the adopted one, if adopted
             overflow = logs.get("overflow") if isinstance(logs, dict) else None
             if overflow is None:  # Keras's own train_step: the optimizer's flag, in the graph
-                overflow = optimizer.snapshot()["overflow"]
-            keeper.keep_if_overflow(data, overflow > 0, optimizer)
+                skipped = optimizer.skipped()
+            else:
+                skipped = overflow > 0
+            keeper.keep_if_overflow(data, skipped, optimizer)
             return logs
 
         # The state guard wraps a step once: the keeping wrapper says whether what it wraps

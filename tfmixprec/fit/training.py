@@ -31,7 +31,8 @@ from tfmixprec.fit.overflow_batches import (
 )
 from tfmixprec.precision import cpu_bfloat16, cpu_float16
 from tfmixprec.scaling.loss_scale import default_config
-from tfmixprec.scaling.optimizer import LossScaleOptimizer, resolve_optimizer
+from tfmixprec.scaling.optimizer import LossScaleOptimizer
+from tfmixprec.scaling.optimizer_args import resolve_optimizer
 from tfmixprec.scaling.state_guard import guard_state, metrics_after_guard
 
 __all__ = [
@@ -236,10 +237,10 @@ class MixedPrecisionMixin(MultiWorkerFit):
                 "MixedPrecisionModel.train_step needs a tfmixprec.LossScaleOptimizer; compile "
                 f"the model with compile(). Received: optimizer={self.optimizer!r}"
             )
-        with guard_state(self, self.optimizer):  # a skipped step changes no variable
+        with guard_state(self, self.optimizer) as guarded:  # a skipped step changes nothing
             logs = super().train_step(data)
         logs = dict(metrics_after_guard(self, logs))  # the means over the applied steps
-        logs.update(self.optimizer.snapshot())
+        logs.update(self.optimizer.snapshot(guarded.skipped))
         return logs
 
     train_step.tfmixprec_guarded = True  # the callbacks wrap no further guard around it
@@ -422,7 +423,7 @@ def make_train_step(
     optimizer = _optimizer_for(model, optimizer)
 
     def step(x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
-        with guard_state(model, optimizer):  # a skipped step changes no variable
+        with guard_state(model, optimizer) as guarded:  # a skipped step changes no variable
             with tf.GradientTape() as tape:
                 y_pred = model(x, training=True)
                 if sample_weight is None:
@@ -432,7 +433,7 @@ def make_train_step(
                 scaled_loss = optimizer.scale_loss(loss)
             variables = model.trainable_variables
             optimizer.apply(tape.gradient(scaled_loss, variables), variables)
-        return {"loss": ops.cast(loss, "float32"), **optimizer.snapshot()}
+        return {"loss": ops.cast(loss, "float32"), **optimizer.snapshot(guarded.skipped)}
 
     compiled = tf.function(step, jit_compile=jit_compile)
     compiled.optimizer = optimizer

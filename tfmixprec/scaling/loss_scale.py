@@ -127,7 +127,7 @@ def read_now(value: Any) -> tf.Tensor:
     if isinstance(value, keras.Variable):
         value = value.value
     if isinstance(value, tf.Variable):
-        return value.read_value()
+        return value.value()  # one op (`read_value()` adds an `Identity`)
     return tf.convert_to_tensor(value)
 
 
@@ -207,11 +207,12 @@ def check(
         of the optimizer, not finite exactly where the flag saw that variable's gradient as
         not finite (an Inf or NaN, or a float32 sum past float32's range, on any replica).
     """
-    where, sums = [], []
+    where, sums, axes = [], [], {}
     for index, grad in zip(indices, grads):
         if grad is not None:
             where.append(index)
-            sums.append(tf.reduce_sum(tf.cast(gradient_values([grad])[0], tf.float32)))
+            values = tf.cast(gradient_values([grad])[0], tf.float32)
+            sums.append(tf.reduce_sum(values, _axes(values, axes)))
     if not sums:
         return tf.constant(True), tf.zeros([num_variables], tf.float32)
     evidence = tf.stack(sums)
@@ -224,6 +225,16 @@ def check(
     if where != list(range(num_variables)):  # a part of the variables, or another order
         evidence = tf.scatter_nd(tf.constant(where, tf.int32)[:, None], evidence, [num_variables])
     return finite, evidence
+
+
+def _axes(values: tf.Tensor, made: dict[int, tf.Tensor]) -> tf.Tensor | None:
+    """All of `values`' axes, one constant a rank for the whole check (None: rank unknown)."""
+    rank = values.shape.rank
+    if rank is None:
+        return None
+    if rank not in made:
+        made[rank] = tf.constant(list(range(rank)), tf.int32)
+    return made[rank]
 
 
 def nonfinite_flags(evidence: tf.Tensor, dtype: Any = tf.int32) -> tf.Tensor:
@@ -365,9 +376,31 @@ def next_state(
     return state._replace(**_after_overflow(config, state, iteration, nonfinite))
 
 
+def reads(config: LossScaleConfig, finite: bool) -> tuple[str, ...]:
+    """The fields of the state `next_state` reads for a finite step or for an overflow step
+    (it overwrites the others or leaves them alone): `LossScale.adjust` reads only these."""
+    if finite:
+        return ("good_steps", *_GROWTH_READS) if config.dynamic else ("good_steps",)
+    return _OVERFLOW_READS + (_BACKOFF_READS if config.dynamic else ())
+
+
+_GROWTH_READS = ("scale", "min_scale_overflows", "hysteresis_tracker")
+_OVERFLOW_READS = (
+    "scale",
+    "overflow_steps",
+    "consecutive_overflows",
+    "longest_overflow_run",
+    "nonfinite_steps",
+    "last_nonfinite_step",
+)
+_BACKOFF_READS = ("min_scale_overflow_iteration", "min_scale_overflows", "hysteresis_tracker")
+
+
 def _after_finite(config: LossScaleConfig, state: LossScaleState) -> dict[str, tf.Tensor]:
-    """A clean step: the run of overflows ends; the scale grows every `growth_interval`."""
-    new = {"consecutive_overflows": tf.zeros_like(state.consecutive_overflows)}
+    """A clean step: the run of overflows ends; the scale grows every `growth_interval`.
+    (One constant a value: the counters share one dtype.)"""
+    zero = tf.zeros_like(state.good_steps)
+    new = {"consecutive_overflows": zero}
     counter = state.good_steps + 1
     if not config.dynamic:
         return {**new, "good_steps": counter}
@@ -378,8 +411,8 @@ def _after_finite(config: LossScaleConfig, state: LossScaleState) -> dict[str, t
     return {
         **new,
         "scale": tf.where(grow, grown, scale),
-        "good_steps": tf.where(grow, tf.zeros_like(counter), counter),
-        "min_scale_overflows": tf.where(grow, tf.zeros_like(at_min), at_min),
+        "good_steps": tf.where(grow, zero, counter),
+        "min_scale_overflows": tf.where(grow, zero, at_min),
         "hysteresis_tracker": tf.where(
             grow, tf.constant(config.hysteresis, tracker.dtype), tracker
         ),
@@ -390,37 +423,41 @@ def _after_overflow(
     config: LossScaleConfig, state: LossScaleState, iteration: Any, nonfinite: Any
 ) -> dict[str, tf.Tensor]:
     """An overflow step: counted, attributed to the variables whose gradients were not finite,
-    and (dynamic scale) the scale backs off once `hysteresis` overflows were seen."""
+    and (dynamic scale) the scale backs off once `hysteresis` overflows were seen. (One
+    constant a value: the counters share one dtype.)"""
     overflows = state.overflow_steps
+    zero, one = tf.zeros_like(overflows), tf.ones_like(overflows)
     iteration = tf.cast(iteration, overflows.dtype)
     this_step = step_number(iteration, overflows)
-    run = state.consecutive_overflows + 1
+    run = state.consecutive_overflows + one
     new = {
         "last_overflow_scale": state.scale,
-        "overflow_steps": overflows + 1,
+        "overflow_steps": overflows + one,
         "consecutive_overflows": run,
         "longest_overflow_run": tf.maximum(state.longest_overflow_run, run),
         "last_overflow_iteration": iteration,
-        "good_steps": tf.zeros_like(state.good_steps),
+        "good_steps": zero,
     }
     if nonfinite is not None and state.nonfinite_steps is not None:
         nonfinite = tf.cast(nonfinite, state.nonfinite_steps.dtype)
         new["nonfinite_steps"] = state.nonfinite_steps + nonfinite
-        new["last_nonfinite_step"] = tf.where(nonfinite > 0, this_step, state.last_nonfinite_step)
+        last = state.last_nonfinite_step
+        new["last_nonfinite_step"] = tf.where(nonfinite > zero, this_step, last)
     if not config.dynamic:
         return new
     scale, at_min = state.scale, state.min_scale_overflows
-    first_at_min = tf.logical_and(scale <= config.min_scale, state.min_scale_overflow_iteration < 0)
-    tracker = tf.maximum(state.hysteresis_tracker - 1, 0)
+    at_floor = scale <= config.min_scale
+    first_at_min = tf.logical_and(at_floor, state.min_scale_overflow_iteration < zero)
+    tracker = tf.maximum(state.hysteresis_tracker - one, zero)
     backed_off = tf.maximum(scale * config.backoff_factor, config.min_scale)
     return {
         **new,
         "min_scale_overflow_iteration": tf.where(
             first_at_min, this_step, state.min_scale_overflow_iteration
         ),
-        "min_scale_overflows": tf.where(scale <= config.min_scale, at_min + 1, at_min),
+        "min_scale_overflows": tf.where(at_floor, at_min + one, at_min),
         "hysteresis_tracker": tracker,
-        "scale": tf.where(tf.equal(tracker, 0), backed_off, scale),
+        "scale": tf.where(tf.equal(tracker, zero), backed_off, scale),
     }
 
 
@@ -563,19 +600,19 @@ class LossScale(tf.Module):
         flags = None
         if not finite and evidence is not None and self.nonfinite_steps is not None:
             flags = nonfinite_flags(evidence, self.overflow_steps.dtype)
-        state = self.state_now()
+        state = self.state_now(reads(self.config, finite))
         new = next_state(self.config, state, finite, iteration, flags)
         variables = self.variables_by_name()
         for name, before, after in zip(STATE_FIELDS, state, new):
             if after is not before:  # only the fields the step changed
                 variables[name].assign(after)
 
-    def state_now(self) -> LossScaleState:
-        """The state variables' values, read at this point of the step (`read_now`)."""
+    def state_now(self, names: Sequence[str] = STATE_FIELDS) -> LossScaleState:
+        """The state variables' values, read at this point of the step (`read_now`); with
+        `names`, only those fields (the others `None`: a branch reads what it uses)."""
         variables = self.variables_by_name()
-        return LossScaleState(
-            **{name: read_now(variables[name]) for name in STATE_FIELDS if name in variables}
-        )
+        read = {name: read_now(variables[name]) for name in names if name in variables}
+        return LossScaleState(**{name: read.get(name) for name in STATE_FIELDS})
 
     def variables_by_name(self) -> dict[str, Any]:
         """The state variables under the names `next_state` uses (`STATE_FIELDS`)."""
@@ -603,15 +640,19 @@ class LossScale(tf.Module):
         """
         return {**self.log_values(iterations), **self.step_numbers(iterations)}
 
-    def log_values(self, iterations: Any) -> dict[str, tf.Tensor]:
-        """`snapshot()`'s `LOG_KEYS` alone: what a step puts in the logs."""
+    def log_values(self, iterations: Any, skipped: Any = None) -> dict[str, tf.Tensor]:
+        """`snapshot()`'s `LOG_KEYS` alone: what a step puts in the logs. `skipped`: whether
+        the step was skipped, where the caller read it already (else read here)."""
         overflows = tf.cast(read_now(self.overflow_steps), tf.float32)
         attempted = overflows + tf.cast(read_now(iterations), tf.float32)
+        if skipped is None:
+            skipped = read_now(self.consecutive_overflows) > 0
         return {
             "loss_scale": read_now(self.scale_variable),
-            "overflow": tf.cast(read_now(self.consecutive_overflows) > 0, tf.float32),
+            "overflow": tf.cast(skipped, tf.float32),
             "overflow_steps": overflows,
-            "skipped_fraction": overflows / tf.maximum(attempted, 1.0),
+            # no step yet (a window's first micro-batches): 0, as overflows / max(attempted, 1)
+            "skipped_fraction": tf.math.divide_no_nan(overflows, attempted),
         }
 
     def step_numbers(self, iterations: Any) -> dict[str, tf.Tensor]:

@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from tfmixprec._common.text import docs_page
-from tfmixprec._common.validate import check_int_at_least_one, is_number
+from tfmixprec._common.validate import check_int_at_least_one
 from tfmixprec._keras.optimizer_hooks import (
     KerasLossScaleHooks,
     built_variables,
@@ -34,11 +34,14 @@ from tfmixprec.scaling.loss_scale import (
     read_now,
     reset_longest_overflow_run,
 )
+from tfmixprec.scaling.optimizer_args import (
+    check_on_min_scale,
+    config_from_arguments,
+    resolve_optimizer,
+)
 from tfmixprec.scaling.state_file import load, save
 
-__all__ = ["LossScaleOptimizer"]
-
-_ON_MIN_SCALE = ("warn", "raise", "ignore")
+__all__ = ["LossScaleOptimizer"]  # and `resolve_optimizer`, from `optimizer_args`
 
 # What `read_state()` returns; `get_config()` writes `CONFIG_NAMES` besides name and inner.
 STATE_NAMES = (
@@ -66,51 +69,6 @@ CONFIG_NAMES = (
 )
 
 
-def resolve_optimizer(optimizer: Any, arg: str = "inner_optimizer") -> keras.optimizers.Optimizer:
-    """The Keras 3 optimizer `optimizer` is or names (`keras.optimizers.get`), or an error
-    naming the argument `arg` the caller was given it as (`optimizer` for `compile`)."""
-    if isinstance(optimizer, str):
-        try:
-            optimizer = keras.optimizers.get(optimizer)
-        except ValueError as err:
-            raise ValueError(
-                f"{arg} must be a Keras 3 optimizer or the name of one "
-                f"(e.g. 'adam'). Received: {arg}={optimizer!r}"
-            ) from err
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise TypeError(
-            f"{arg} is already a LossScaleOptimizer "
-            f"({type(optimizer).__name__}); wrapping it again would scale the loss "
-            "twice. Use it as it is, or wrap its `inner_optimizer`. Received: "
-            f"{arg}={optimizer!r}"
-        )
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        return optimizer
-    module = type(optimizer).__module__ or ""
-    if module.startswith(("tf_keras", "tensorflow", "keras.optimizers.legacy")) or hasattr(
-        optimizer, "compute_gradients"
-    ):
-        raise TypeError(
-            f"{arg} must be a Keras 3 optimizer, but received a tf-keras / "
-            f"Keras 2 / TF1 optimizer of type {module}.{type(optimizer).__name__}. "
-            "Create it with Keras 3 instead, e.g. keras.optimizers.Adam(...)."
-        )
-    raise TypeError(
-        f"{arg} must be a Keras 3 optimizer (keras.optimizers.Optimizer), "
-        f"e.g. keras.optimizers.Adam(). Received: {arg}={optimizer!r} "
-        f"of type {type(optimizer).__name__}"
-    )
-
-
-def _check_on_min_scale(on_min_scale: Any) -> str:
-    if on_min_scale not in _ON_MIN_SCALE:
-        raise ValueError(
-            f"on_min_scale must be one of {list(_ON_MIN_SCALE)}. "
-            f"Received: on_min_scale={on_min_scale!r}"
-        )
-    return on_min_scale
-
-
 def _unscale_targets(
     opt: Any, grads: list[Any], variables: Sequence[Any] | None
 ) -> tuple[list[bool], list[int] | None]:
@@ -132,46 +90,6 @@ def _unscale_targets(
             "Pass get_unscaled_gradients(grads, variables)."
         )
     return [opt.overwrites_with_gradient(v) for v in tracked], list(range(len(tracked)))
-
-
-def _config(
-    initial_scale: Any,
-    growth_interval: Any,
-    dynamic: Any,
-    dynamic_growth_steps: Any,
-    loss_scale: Any,
-    **knobs: Any,
-) -> LossScaleConfig:
-    """Maps the constructor's arguments, with Keras's and TF 2's aliases, onto a config."""
-    if loss_scale is not None:
-        if initial_scale is not None or dynamic is not None:
-            raise ValueError(
-                "Pass either the TensorFlow 2 argument `loss_scale` or `initial_scale`/"
-                f"`dynamic`, not both. Received: loss_scale={loss_scale!r}, "
-                f"initial_scale={initial_scale!r}, dynamic={dynamic!r}"
-            )
-        if loss_scale != "dynamic" and (isinstance(loss_scale, str) or not is_number(loss_scale)):
-            raise ValueError(
-                'loss_scale must be "dynamic" or a number (a fixed scale). '
-                f"Received: loss_scale={loss_scale!r}"
-            )
-        initial_scale, dynamic = (None, True) if loss_scale == "dynamic" else (loss_scale, False)
-    if dynamic_growth_steps is not None:
-        if growth_interval is not None and growth_interval != dynamic_growth_steps:
-            raise ValueError(
-                "growth_interval and its Keras alias dynamic_growth_steps disagree; pass "
-                f"one of them. Received: growth_interval={growth_interval!r}, "
-                f"dynamic_growth_steps={dynamic_growth_steps!r}"
-            )
-        growth_interval = dynamic_growth_steps
-    return LossScaleConfig(
-        initial_scale=LossScaleConfig.initial_scale if initial_scale is None else initial_scale,
-        dynamic=LossScaleConfig.dynamic if dynamic is None else dynamic,
-        growth_interval=(
-            LossScaleConfig.growth_interval if growth_interval is None else growth_interval
-        ),
-        **knobs,
-    )
 
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
@@ -239,11 +157,11 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         # Everything is validated before anything is built or changed.
         knobs = dict(growth_factor=growth_factor, backoff_factor=backoff_factor)
         knobs.update(min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
-        config = _config(
+        config = config_from_arguments(
             initial_scale, growth_interval, dynamic, dynamic_growth_steps, loss_scale, **knobs
         )
         accumulation_steps = check_int_at_least_one("accumulation_steps", accumulation_steps)
-        on_min_scale = _check_on_min_scale(on_min_scale)
+        on_min_scale = check_on_min_scale(on_min_scale)
         inner_optimizer = resolve_optimizer(inner_optimizer)
         growth_steps = config.growth_interval if config.dynamic else None
         super().__init__(inner_optimizer, config.initial_scale, growth_steps, name=name, **kwargs)
@@ -489,13 +407,13 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         graph."""
         return self._loss_scale.step_numbers(self.iterations)["last_overflow_step"]
 
-    def snapshot(self) -> dict[str, tf.Tensor]:
+    def snapshot(self, skipped: tf.Tensor | None = None) -> dict[str, tf.Tensor]:
         """The loss-scale values for logs, read in the graph (no host sync; after `apply`
         they include that step). See `LossScale.snapshot`. With accumulation only the
-        micro-batch that ends a window can be an overflow step: `overflow` is 0 inside one."""
-        values = self._loss_scale.log_values(self.iterations)
-        values["overflow"] = tf.cast(self.skipped(), tf.float32)
-        return values
+        micro-batch that ends a window can be an overflow step: `overflow` is 0 inside one.
+        `skipped`: `skipped()` as the caller read it after this step's `apply` (one read)."""
+        skipped = self.skipped() if skipped is None else skipped
+        return self._loss_scale.log_values(self.iterations, skipped)
 
     def skipped(self) -> tf.Tensor:
         """Whether the step that just ran was skipped (a scalar bool, read in the graph):

@@ -43,8 +43,15 @@ def guarded_variables(model: keras.Model) -> list[Any]:
     return found
 
 
+class GuardedStep:
+    """What `guard_state` yields: after the block, `skipped` holds the skip flag it read (a
+    scalar bool tensor of this step), for the step's logs (`optimizer.snapshot(skipped)`)."""
+
+    skipped: Any = None
+
+
 @contextlib.contextmanager
-def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
+def guard_state(model: keras.Model, optimizer: Any) -> Iterator[GuardedStep]:
     """Puts the model's non-trainable variables and its metrics' back as they were before the
     block if the optimizer skipped the step the block ran (`guarded_variables`).
 
@@ -62,6 +69,9 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
         model: `keras.Model`. Its `non_trainable_variables` and `metrics_variables` are
             guarded.
         optimizer: `tfmixprec.LossScaleOptimizer`. It says whether the step was skipped.
+
+    Yields:
+        A `GuardedStep`, whose `skipped` is the step's skip flag after the block.
 
     Raises:
         TypeError: If `optimizer` is not a tfmixprec `LossScaleOptimizer`.
@@ -85,8 +95,9 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[None]:
     first = (
         None if tf.executing_eagerly() else len(tf.compat.v1.get_default_graph().get_operations())
     )
-    yield
-    skipped = optimizer.skipped()
+    guarded = GuardedStep()
+    yield guarded
+    skipped = guarded.skipped = optimizer.skipped()
     if first is None:  # eagerly: the flag is on the host already
         if bool(skipped):
             for variable, value in zip(variables, saved):
@@ -157,12 +168,12 @@ def metrics_after_guard(model: keras.Model, logs: Any) -> Any:
         return logs
     results = model.get_metrics_result()
     count = loss_tracker_count(model)
+    nothing = None if count is None else tf.equal(read_now(count), 0)  # one read, every key
     fresh = {}
     for key, value in logs.items():
         if key in results:
             value = tf.convert_to_tensor(results[key])
-            if count is not None and value.dtype.is_floating:
-                nothing = tf.equal(read_now(count), 0)
+            if nothing is not None and value.dtype.is_floating:
                 value = tf.where(nothing, tf.constant(float("nan"), value.dtype), value)
         fresh[key] = value
     return fresh

@@ -5,7 +5,7 @@ corrupts those steps' gradients or inputs with NaN or Inf, in the graph, by step
 `run_workers` runs one command as every worker of a `MultiWorkerMirroredStrategy` cluster on
 127.0.0.1 (its own `TF_CONFIG` each, free ports), bounded in time and always cleaned up.
 `host_waits` lists what one step of a model's `fit` makes the host wait for, from the graph
-Keras traced.
+Keras traced; `step_ops` counts that graph's ops by type.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "host_waits",
     "local_cluster",
     "run_workers",
+    "step_ops",
 ]
 
 
@@ -396,19 +398,61 @@ def host_waits(model: Any) -> tuple[HostWait, ...]:
     >>> [wait.purpose for wait in tfmixprec.testing.host_waits(model)]
     ['applies the step or skips it (the finite check)']
     """
-    traced = traced_train_functions(model)
-    if not traced:
-        raise ValueError(
-            f"model {getattr(model, 'name', model)!r} has no traced train function: call "
-            "fit() first (without run_eagerly=True), then host_waits(model)."
-        )
-    graph = traced[-1].graph.as_graph_def()
-    library = {function.signature.name: function for function in graph.library.function}
+    graph, library = _traced_step(model, "host_waits")
     optimizer = getattr(model, "optimizer", None)
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     walk = _Walk(library, getattr(inner, "name", None))
     walk.nodes(graph.node, "", False, "")
     return tuple(walk.found)
+
+
+def step_ops(model: Any) -> dict[str, int]:
+    """The ops of the train function Keras traced last for `model.fit`, counted by op type.
+
+    Every node counts: the traced function's own and those of every function it calls, each
+    function once (the step's body, both branches of each conditional, a loop's condition and
+    body), whether or not a branch runs on a given step. Without XLA each op that computes is
+    a kernel launch on a GPU. Call it after a `fit`; compare two models by the same count
+    (`benchmarks/step_ops.py` compares tfmixprec's step with Keras's own).
+
+    Args:
+        model: `keras.Model`. A model that has run `fit` (not with `run_eagerly=True`).
+
+    Returns:
+        A dict from op type (`"ReadVariableOp"`, ...) to its count, sorted by op type.
+
+    Raises:
+        ValueError: If the model's train function has not been traced.
+
+    Example:
+
+    >>> model.fit(x, y, epochs=1)
+    >>> tfmixprec.testing.step_ops(model)["If"]  # apply or skip: the step's one conditional
+    1
+    """
+    graph, library = _traced_step(model, "step_ops")
+    counts: Counter = Counter()
+    todo, seen = [graph.node], set()
+    while todo:
+        for node in todo.pop():
+            counts[node.op] += 1
+            for name in _called(node.attr):
+                if name in library and name not in seen:
+                    seen.add(name)
+                    todo.append(library[name].node_def)
+    return dict(sorted(counts.items()))
+
+
+def _traced_step(model: Any, caller: str) -> tuple[Any, dict[str, Any]]:
+    """The `GraphDef` of the train function Keras traced last, and its functions by name."""
+    traced = traced_train_functions(model)
+    if not traced:
+        raise ValueError(
+            f"model {getattr(model, 'name', model)!r} has no traced train function: call "
+            f"fit() first (without run_eagerly=True), then {caller}(model)."
+        )
+    graph = traced[-1].graph.as_graph_def()
+    return graph, {function.signature.name: function for function in graph.library.function}
 
 
 class _Walk:
