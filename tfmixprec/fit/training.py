@@ -211,7 +211,7 @@ class MixedPrecisionMixin(MultiWorkerFit):
         optimizer = _optimizer_for(self, optimizer, loss_scaling, accumulation_steps)
         super().compile(optimizer, *args, **kwargs)
 
-    def fit(self, *args: Any, **kwargs: Any) -> Any:
+    def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         """`keras.Model.fit`, plus (see `tfmixprec.fit.hooks.FitWatch`) the epoch's number of
         overflow steps as `overflow` in the epoch logs and a check of `on_min_scale` every 50
         batches."""

@@ -9,7 +9,7 @@ the unit's transition. All state is variables; nothing that decides a step is Py
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -244,72 +244,72 @@ class LossScaleOptimizer(KerasLossScaleHooks):
     # TF 2's optimizers give two of them: `dynamic_scale` and `step_counter` (Keras's own code
     # and checkpoints use them on this subclass), `dynamic_counter` (TF 2 code reads it).
     @property
-    def loss_scale(self) -> Any:
+    def loss_scale(self) -> keras.Variable:
         """The scale (a float32 variable)."""
         return self._loss_scale.scale_variable
 
     @property
-    def dynamic_scale(self) -> Any:
+    def dynamic_scale(self) -> keras.Variable:
         """Keras's name for `loss_scale`."""
         return self._loss_scale.scale_variable
 
     @property
-    def good_steps(self) -> Any:
+    def good_steps(self) -> keras.Variable:
         """Clean steps since the scale last grew or backed off."""
         return self._loss_scale.good_steps
 
     @property
-    def step_counter(self) -> Any:
+    def step_counter(self) -> keras.Variable:
         """Keras's name for `good_steps`."""
         return self._loss_scale.good_steps
 
     @property
-    def dynamic_counter(self) -> Any:
+    def dynamic_counter(self) -> keras.Variable:
         """TensorFlow 2's name for `good_steps`."""
         return self._loss_scale.good_steps
 
     @property
-    def hysteresis_tracker(self) -> Any:
+    def hysteresis_tracker(self) -> keras.Variable:
         """Overflows left before the scale backs off."""
         return self._loss_scale.hysteresis_tracker
 
     @property
-    def overflow_steps(self) -> Any:
+    def overflow_steps(self) -> keras.Variable:
         """Skipped steps, in all."""
         return self._loss_scale.overflow_steps
 
     @property
-    def consecutive_overflows(self) -> Any:
+    def consecutive_overflows(self) -> keras.Variable:
         """Skipped steps in a row, now."""
         return self._loss_scale.consecutive_overflows
 
     @property
-    def last_overflow_iteration(self) -> Any:
+    def last_overflow_iteration(self) -> keras.Variable:
         """Applied steps at the last skip."""
         return self._loss_scale.last_overflow_iteration
 
     @property
-    def last_overflow_scale(self) -> Any:
+    def last_overflow_scale(self) -> keras.Variable:
         """The scale the last overflow used."""
         return self._loss_scale.last_overflow_scale
 
     @property
-    def min_scale_overflows(self) -> Any:
+    def min_scale_overflows(self) -> keras.Variable:
         """Overflow steps at `min_scale` since the scale last grew."""
         return self._loss_scale.min_scale_overflows
 
     @property
-    def longest_overflow_run(self) -> Any:
+    def longest_overflow_run(self) -> keras.Variable:
         """The longest run of consecutive overflow steps since `reset_longest_overflow_run()`."""
         return self._loss_scale.longest_overflow_run
 
     # ------------------------------------------------------------ loss scaling
-    def scale_loss(self, loss: Any) -> Any:
+    def scale_loss(self, loss: Any) -> tf.Tensor:
         """Multiplies `loss` by the current scale, in float32, and starts a step: gradients
         of it passed to `apply` are unscaled there (Keras 3's way)."""
         return self._loss_scale.scale(loss)
 
-    def get_scaled_loss(self, loss: Any) -> Any:
+    def get_scaled_loss(self, loss: Any) -> tf.Tensor | Callable[[], tf.Tensor]:
         """TensorFlow 2's name for `scale_loss`; also accepts a zero-argument callable.
 
         Example:

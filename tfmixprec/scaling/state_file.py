@@ -69,6 +69,7 @@ _SUMS = "accumulated_gradient"
 # What a refusal promises: the optimizer, whole (Keras loads a model's layers before it).
 NOTHING_LOADED = "No optimizer variable was assigned."
 
+
 def own_state(variables: Sequence[Any]) -> list[tuple[str, Any]]:
     """`(key, variable)` for the optimizer's own variables: their names, the accumulation
     sums numbered (`accumulated_gradient_0`, ...)."""

@@ -20,13 +20,15 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import tensorflow as tf
 
 from tfmixprec._common.validate import check_int_at_least_one
 from tfmixprec._keras.fit import traced_train_functions
+
+Batch = TypeVar("Batch")  # a tensor or a nest of tensors, returned in the same structure
 
 __all__ = [
     "FaultInjector",
@@ -141,7 +143,7 @@ class FaultInjector:
                 break
         return grads
 
-    def corrupt_inputs(self, x: Any, step: Any) -> Any:
+    def corrupt_inputs(self, x: Batch, step: Any) -> Batch:
         """Returns the batch `x` (a tensor or nest), all float values non-finite on a faulty
         `step`.
 
