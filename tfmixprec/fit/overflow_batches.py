@@ -77,6 +77,11 @@ def _fitted(value: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
     return tf.pad(value, tf.stack([tf.zeros_like(take), shape - take], axis=1))
 
 
+def _padded(value: tf.Tensor, shape: tf.Tensor, have: tf.Tensor) -> tf.Tensor:
+    """`value` (of shape `have`) zero-padded to `shape`, which holds it."""
+    return tf.pad(value, tf.stack([tf.zeros_like(have), shape - have], axis=1))
+
+
 class _Slots:
     """One tensor of the batch: its rows (one a kept batch, and a scratch row), kept in the
     tensor's own dtype, the shape each slot holds, and the largest shape a step has seen. Which
@@ -93,44 +98,51 @@ class _Slots:
         self.wanted = replica_variable(tf.zeros([len(known)], tf.int32))
 
     def held(self) -> tf.Tensor:
-        """The rows' shape, from the variable's metadata: reading its value would hold its
-        buffer, and the scatter would then copy every row first (copy on write)."""
-        return tf.raw_ops.VariableShape(input=self.data.handle)
+        """The shape a row holds, from the variable's metadata: reading its value would hold
+        its buffer, and the scatter would then copy every row first (copy on write)."""
+        return tf.slice(tf.raw_ops.VariableShape(input=self.data.handle), [1], [self.rank])
 
-    def fits(self, value: tf.Tensor) -> tf.Tensor:
-        return tf.reduce_all(tf.shape(value) <= self.held()[1:])
-
-    def make_room(self, value: tf.Tensor) -> None:
-        """Outside XLA: the rows grown, in the step, where `value` is larger. The branch is
-        decided by shapes alone, on the host (no device value: no wait on a GPU); the rows are
-        copied only when they grow."""
+    def room_for(self, value: tf.Tensor, grow: bool) -> tuple[tf.Tensor, tf.Tensor | None]:
+        """The shape a row holds for `value` this step, and whether `value` fits there (None:
+        it does). With `grow` (outside XLA) the rows grow in the step where `value` is larger:
+        a branch decided by shapes alone, on the host (no device value: no wait on a GPU), the
+        rows copied only when they grow; inside XLA, whose step keeps a variable's size, `poll`
+        grows them between steps."""
+        shape = tf.shape(value)
         with tf.device("/cpu:0"):
             held = self.held()
-            larger = tf.reduce_max(tf.shape(value) - held[1:]) > 0
+            if not grow:
+                return held, tf.reduce_all(shape <= held)
+            larger = tf.reduce_any(shape > held)
+        room = tf.maximum(held, shape)
 
-        def grow() -> tf.Tensor:
-            size = tf.concat([held[:1], tf.maximum(held[1:], tf.shape(value))], 0)
-            self.data.assign(_fitted(tf.convert_to_tensor(self.data), size))
+        def make_room() -> tf.Tensor:
+            rows = tf.convert_to_tensor(self.data)
+            self.data.assign(_padded(rows, tf.concat([[self.rows], room], 0), tf.shape(rows)))
             return tf.constant(True)
 
         with tf.name_scope("keeper_rows_grow"):
-            tf.cond(larger, grow, lambda: tf.constant(False))
+            tf.cond(larger, make_room, lambda: tf.constant(False))
+        return room, None
 
-    def write(self, value: tf.Tensor, row: tf.Tensor, chosen: tf.Tensor) -> list[Any]:
-        """Writes `value` into `row` (a scalar: the scratch row) and its shape into the
-        `chosen` slots; notes its shape. One row a step: the device copies the batch once."""
-        room = self.held()[1:]
+    def write(
+        self, value: tf.Tensor, room: tf.Tensor, row: tf.Tensor, chosen: tf.Tensor, cut: bool
+    ) -> list:
+        """Writes `value` into `row` (a vector of one index: the scratch row), zero-padded to
+        `room` (and `cut` to it, where it may be larger), and its shape into the `chosen` slots
+        (a column); notes its shape. One row a step: the device copies the batch once."""
         shape = tf.shape(value)
+        fitted = _fitted(value, room) if cut else _padded(value, room, shape)
         # The op itself: a sync-on-read variable has no `scatter_update` in replica context,
         # where its `handle` is this replica's copy's. `ResourceScatterUpdate` has a kernel
         # for every dtype on CPUs and GPUs (bool and the narrow integers included).
         return [
             tf.raw_ops.ResourceScatterUpdate(
                 resource=self.data.handle,
-                indices=row[tf.newaxis],
-                updates=_fitted(value, room)[tf.newaxis],
+                indices=row,
+                updates=tf.expand_dims(fitted, 0),
             ),
-            self.shapes.assign(tf.where(chosen[:, tf.newaxis], shape[tf.newaxis], self.shapes)),
+            self.shapes.assign(tf.where(chosen, tf.expand_dims(shape, 0), self.shapes)),
             self.wanted.assign(tf.maximum(self.wanted, shape)),
         ]
 
@@ -228,31 +240,36 @@ class OverflowBatches:
         if not self._ready(batch, flat):
             return
         slots = [(x, s) for x, s in zip(flat, self._slots) if s is not None]
-        if not in_xla_context():
-            for tensor, slot in slots:
-                slot.make_room(tensor)
-        fits = tf.reduce_all(tf.stack([s.fits(x) for x, s in slots]))
-        kept = tf.logical_and(overflowed, fits)
-        count = tf.convert_to_tensor(self._counts)[_KEPT]
+        grow = not in_xla_context()
+        rooms = [slot.room_for(tensor, grow) for tensor, slot in slots]
+        # Outside XLA the rows have grown to hold the batch; inside, it may not fit.
+        fits = None if grow else tf.reduce_all(tf.stack([fit for _, fit in rooms]))
+        kept = overflowed if fits is None else tf.logical_and(overflowed, fits)
+        count = tf.slice(tf.convert_to_tensor(self._counts), [_KEPT], [1])
         # The batch goes into the row no slot holds (the scratch row), once; an overflow
         # step's slots then point to that row (the next of the first `limit`, and the newest).
+        # Which slot is which is known when tracing: constants, not ops.
         where = tf.convert_to_tensor(self._where)
-        taken = tf.range(self._size + 1, dtype=tf.int64)[:, tf.newaxis] == where
+        taken = tf.constant(np.arange(self._size + 1)[:, np.newaxis]) == where
         scratch = tf.argmin(tf.cast(tf.reduce_any(taken, axis=1), tf.int32), output_type=tf.int64)
-        slot = tf.range(self._size, dtype=tf.int64)
-        chosen = kept & (slot == count) & (slot < self.limit)
+        slot = np.arange(self._size)
+        chosen = kept & (tf.constant(slot) == count) & tf.constant(slot < self.limit)
         if self.keeps_latest:
-            chosen = tf.logical_or(chosen, tf.logical_and(kept, slot == self.limit))
-        for tensor, tensor_slots in slots:
-            tensor_slots.write(tensor, scratch, chosen)
+            chosen = tf.logical_or(chosen, tf.logical_and(kept, tf.constant(slot == self.limit)))
+        row, column = tf.reshape(scratch, [1]), tf.expand_dims(chosen, 1)
+        for (tensor, tensor_slots), (room, fit) in zip(slots, rooms):
+            tensor_slots.write(tensor, room, row, column, cut=fit is not None)
         self._where.assign(tf.where(chosen, scratch, where))
         step = tf.cast(optimizer.last_overflow_step(), tf.int64)
         scale = tf.cast(optimizer.last_overflow_scale, tf.float32)
         self._steps.assign(tf.where(chosen, step, self._steps))
         self._scales.assign(tf.where(chosen, scale, self._scales))
-        missed = tf.logical_and(overflowed, tf.logical_not(fits))
-        added = tf.stack([kept, tf.logical_not(fits), missed])
-        self._counts.assign_add(tf.cast(added, tf.int64))
+        if fits is None:  # kept, unfit, missed
+            added = tf.cast(kept, tf.int64) * tf.constant([1, 0, 0], tf.int64)
+        else:
+            unfit = tf.logical_not(fits)
+            added = tf.cast(tf.stack([kept, unfit, tf.logical_and(overflowed, unfit)]), tf.int64)
+        self._counts.assign_add(added)
 
     def _ready(self, batch: Any, flat: list[Any]) -> bool:
         """Creates the variables at the first trace (a tensor each); False where the batch

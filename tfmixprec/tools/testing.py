@@ -349,7 +349,7 @@ _SHAPES = frozenset({"Shape", "ShapeN", "VariableShape", "Size", "Rank", "Const"
 _ON_SHAPES = frozenset(
     {
         "Identity", "StridedSlice", "Slice", "Pack", "ConcatV2", "Reshape", "Cast",
-        "Sub", "Add", "AddV2", "Maximum", "Minimum", "Max", "Min", "Sum",
+        "Sub", "Add", "AddV2", "Maximum", "Minimum", "Max", "Min", "Sum", "Any", "All",
         "Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual",
         "LogicalAnd", "LogicalOr", "LogicalNot",
     }
