@@ -554,7 +554,8 @@ def test_the_counters_are_patches_and_unwatching_leaves_the_layer_as_keras_made_
     before, its weights are Keras's, and a step after it counts nothing."""
     tfmixprec.set_policy("mixed_bfloat16")
     model = keras.Sequential(
-        [keras.Input((32,)), keras.layers.Dense(64, name="a"), keras.layers.Dense(16, name="b")]
+        [keras.Input((32,)), keras.layers.Dense(64, name="a"), keras.layers.Dense(16, name="b")],
+        name="f8",
     )
     model.quantize("float8")
     model.compile(keras.optimizers.SGD(0.0), keras.losses.SparseCategoricalCrossentropy(True))
@@ -562,7 +563,7 @@ def test_the_counters_are_patches_and_unwatching_leaves_the_layer_as_keras_made_
     model.fit(x, y, batch_size=16, verbose=0)  # built and traced before any watch
     layer = model.get_layer("a")
     before, weights = dict(vars(layer)), [v.path for v in layer.weights]
-    assert float8.watch_float8(model) == ["sequential/a", "sequential/b"]
+    assert float8.watch_float8(model) == ["f8/a", "f8/b"]
     entry = "_float8_call" if hasattr(keras.layers.Dense, "_float8_call") else "quantized_call"
     assert [(p.attribute, p.who) for p in patches_of(layer)] == [
         (entry, "float8 counters"),
@@ -571,13 +572,13 @@ def test_the_counters_are_patches_and_unwatching_leaves_the_layer_as_keras_made_
     assert [v.path for v in layer.weights] == weights  # the counters are not Keras weights
     model.fit(x, y, batch_size=16, verbose=0)
     assert _counts_of(model) == [16 * 32 * 2, 64 * 16 * 2]  # a's and b's inputs, two steps
-    assert float8.unwatch_float8(model) == ["sequential/a", "sequential/b"]
+    assert float8.unwatch_float8(model) == ["f8/a", "f8/b"]
     assert vars(layer).keys() == before.keys()
     assert all(vars(layer)[name] is value for name, value in before.items())
     assert patches_of(layer) == [] and float8.unwatch_float8(model) == []
     model.fit(x, y, batch_size=16, verbose=0)  # traced again, with Keras's own forward
     assert _counts_of(model) == [0, 0]
-    assert float8.watch_float8(model) == ["sequential/a", "sequential/b"]  # new counters
+    assert float8.watch_float8(model) == ["f8/a", "f8/b"]  # new counters
     assert _counts_of(model) == [0, 0]
 
 
