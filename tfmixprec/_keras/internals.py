@@ -56,6 +56,8 @@ OWNERS = (
     "TensorBoard",
     "tf.function",
     "EagerContext",
+    "train_function",  # Keras's Python train function: its closure variables
+    "one_step_on_data",  # ...and the per-batch step's wrapper's
 )
 
 # Private methods tfmixprec defines itself in a subclass of Keras's: not Keras's (the test
@@ -83,6 +85,10 @@ INTERNALS = (
     Internal("fit", "Model._maybe_symbolic_build", "MultiWorkerFit: builds from one batch"),
     Internal("fit", "Model._make_function", "MultiWorkerFit: the step's scalar logs as vectors"),
     Internal("fit", "tf.function._list_all_concrete_functions", "the traced train functions"),
+    Internal("fit", "Model.train_function", "traced_train_functions: Keras's Python function"),
+    Internal("fit", "train_function.multi_step_on_iterator", "...its per-execution tf.function"),
+    Internal("fit", "train_function.one_step_on_data", "...its per-batch step (Keras 3.16)"),
+    Internal("fit", "one_step_on_data.step_func", "...the step's tf.function, wrapped by Keras"),
     # float8: Keras's float8 layers watched and replayed.
     Internal(
         "float8",
