@@ -169,6 +169,10 @@ def check_command(words: list[str]) -> None:
         _check_pip(rest)
     elif name == "bash" and rest[:1] == ["-c"]:
         check_script(rest[1])
+    elif name.startswith(".ci/"):  # the project's own scripts (`.ci/nightly`)
+        script = ROOT / name
+        assert script.is_file() and os.access(script, os.X_OK), f"{name}: no such script"
+        assert not rest, f"{name} takes no arguments (its settings are variables): {rest}"
     elif name == "srun":  # runs the command after its options on each node
         while rest and rest[0].startswith("-"):
             rest = rest[1:]

@@ -77,8 +77,16 @@ def test_a_handle_undoes_once_and_works_as_a_with_block():
     assert vars(thing) == {}
 
 
-# The attributes tfmixprec patches on layers and models, and the registry's own.
-PATCHED = ("call", "quantized_call", "_float8_call", "activation", "train_step")
+# The attributes tfmixprec patches on layers and models (float8's counters add one), and the
+# registry's own.
+PATCHED = (
+    "call",
+    "quantized_call",
+    "_float8_call",
+    "activation",
+    "train_step",
+    "_tfmixprec_float8_counts",
+)
 
 
 def _patched_state(obj):

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfmixprec
+from tfmixprec._keras.patches import patches_of
 from tfmixprec.precision import float8, float8_recipe
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
@@ -544,3 +545,42 @@ def test_an_empty_count_has_no_share():
     assert all(np.isnan(share) for share in shares)
     assert [float8_recipe.percent(share) for share in (shares[0], 0.125)] == ["-", "12.50%"]
     assert tfmixprec.Float8Quantized is tfmixprec.Float8TensorStats  # 0.4.0's name
+
+
+@pytest.mark.filterwarnings("ignore:Layer InputLayer does not have a `quantize` method")
+def test_the_counters_are_patches_and_unwatching_leaves_the_layer_as_keras_made_it():
+    """The counter variables and the watched forward are patches of the registry (made by
+    "float8 counters"); `unwatch_float8` takes both out: the layer holds exactly what it held
+    before, its weights are Keras's, and a step after it counts nothing."""
+    tfmixprec.set_policy("mixed_bfloat16")
+    model = keras.Sequential(
+        [keras.Input((32,)), keras.layers.Dense(64, name="a"), keras.layers.Dense(16, name="b")],
+        name="f8",
+    )
+    model.quantize("float8")
+    model.compile(keras.optimizers.SGD(0.0), keras.losses.SparseCategoricalCrossentropy(True))
+    x, y = _data()
+    model.fit(x, y, batch_size=16, verbose=0)  # built and traced before any watch
+    layer = model.get_layer("a")
+    before, weights = dict(vars(layer)), [v.path for v in layer.weights]
+    assert float8.watch_float8(model) == ["f8/a", "f8/b"]
+    entry = "_float8_call" if hasattr(keras.layers.Dense, "_float8_call") else "quantized_call"
+    assert [(p.attribute, p.who) for p in patches_of(layer)] == [
+        (entry, "float8 counters"),
+        ("_tfmixprec_float8_counts", "float8 counters"),
+    ]
+    assert [v.path for v in layer.weights] == weights  # the counters are not Keras weights
+    model.fit(x, y, batch_size=16, verbose=0)
+    assert _counts_of(model) == [16 * 32 * 2, 64 * 16 * 2]  # a's and b's inputs, two steps
+    assert float8.unwatch_float8(model) == ["f8/a", "f8/b"]
+    assert vars(layer).keys() == before.keys()
+    assert all(vars(layer)[name] is value for name, value in before.items())
+    assert patches_of(layer) == [] and float8.unwatch_float8(model) == []
+    model.fit(x, y, batch_size=16, verbose=0)  # traced again, with Keras's own forward
+    assert _counts_of(model) == [0, 0]
+    assert float8.watch_float8(model) == ["f8/a", "f8/b"]  # new counters
+    assert _counts_of(model) == [0, 0]
+
+
+def _counts_of(model):
+    return [s.inputs.values for s in tfmixprec.float8_stats(model)]

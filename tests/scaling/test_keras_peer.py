@@ -9,6 +9,7 @@ change in either class shows up here. Tests Keras skips on the TF backend (state
 skipped.
 """
 
+import importlib.metadata
 import importlib.util
 import unittest
 from unittest import mock
@@ -46,7 +47,20 @@ def _load_keras_tests():
 _keras_tests = _load_keras_tests()
 
 
+def _nightly() -> bool:
+    """Whether the installed Keras is a `keras-nightly` build: those wheels ship no test
+    modules at all (none of the 277 `*_test.py` of keras 3.15.1 is in keras-nightly
+    3.16.0.dev2026102704), so `.ci/nightly` runs without the peer tests."""
+    try:
+        importlib.metadata.version("keras-nightly")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def test_keras_tests_are_installed():
+    if _keras_tests is None and _nightly():
+        pytest.skip(f"keras-nightly {keras.__version__} ships no test modules")
     assert _keras_tests is not None, (
         f"Keras's test module {_KERAS_TESTS} is not in the installed keras "
         f"{keras.__version__} ({keras.__file__}); the peer tests in this file cannot run."

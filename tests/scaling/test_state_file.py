@@ -222,7 +222,9 @@ def test_per_variable_state_follows_the_variables_of_a_reloaded_float8_model(tmp
     loaded = keras.models.load_model(tmp_path / "m.keras")
     before = [v.path for v in opt.tracked_variables()]
     after = [v.path for v in loaded.optimizer.tracked_variables()]
-    assert sorted(before) == sorted(after) and before != after  # the order Keras rebuilds in
+    assert sorted(before) == sorted(after)
+    if hasattr(keras.layers.Dense, "_float8_call"):  # Keras 3.12 to 3.15 rebuild them so;
+        assert before != after  # Keras 3.16 (float8 strategies) keeps the order
 
     def sums(optimizer):
         summed = [v for v in optimizer.variables if v.path.endswith("accumulated_gradient")]

@@ -235,18 +235,36 @@ def in_xla_context() -> bool:
 
 
 def traced_train_functions(model: Any) -> list[Any]:
-    """The concrete functions Keras has traced for `model.train_function` (its per-execution
-    `tf.function`; the per-batch step, XLA-compiled or not, is a function called inside).
+    """The concrete functions Keras has traced for `model.train_function`: those of its
+    per-execution `tf.function` (the per-batch step, XLA-compiled or not, is a function called
+    inside), or, where Keras called the per-batch step alone, the step's.
 
-    Why: Keras 3.12 to 3.15 return a plain Python function from `_make_function` that calls
-    its `tf.function` (`multi_step_on_iterator`, a closure variable) with the iterator; the
-    traced graphs are reachable only through that closure and TensorFlow's private list of a
-    `tf.function`'s concrete functions.
+    Why: Keras returns a plain Python function from `_make_function` that calls its
+    `tf.function`s, closure variables: Keras 3.12 to 3.15 always `multi_step_on_iterator`
+    with the iterator; Keras 3.16 calls the per-batch `one_step_on_data` (wrapped by
+    `_autoconvert_optionals` in a Python function, its `step_func`) directly when
+    `steps_per_execution` is 1. The traced graphs are reachable only through those closures
+    and TensorFlow's private list of a `tf.function`'s concrete functions.
     """
     function = getattr(model, "train_function", None)
     if not inspect.isfunction(function):
         return []  # none yet, or one set by the user (not Keras's)
-    traced = inspect.getclosurevars(function).nonlocals.get("multi_step_on_iterator")
-    if traced is None or not hasattr(traced, "_list_all_concrete_functions"):
-        return []  # run eagerly: nothing traced
-    return list(traced._list_all_concrete_functions())
+    closure = inspect.getclosurevars(function).nonlocals
+    for name in ("multi_step_on_iterator", "one_step_on_data"):
+        traced = closure.get(name)
+        if inspect.isfunction(traced):  # Keras's `_autoconvert_optionals` wrapper
+            traced = inspect.getclosurevars(traced).nonlocals.get("step_func")
+        if traced is not None and hasattr(traced, "_list_all_concrete_functions"):
+            concrete = list(traced._list_all_concrete_functions())
+            if concrete:
+                return concrete
+    return []  # run eagerly: nothing traced
+
+
+def compiled_with_xla(traced: Any) -> bool:
+    """Whether a concrete function of `traced_train_functions` is itself compiled with XLA
+    (Keras 3.16's per-batch step, traced alone, under `jit_compile=True`): then every op in it
+    runs inside one XLA cluster. Read from its function definition's `_XlaMustCompile`, the
+    attribute TensorFlow marks a call of such a function with."""
+    attr = traced.function_def.attr.get("_XlaMustCompile")
+    return bool(attr is not None and attr.b)

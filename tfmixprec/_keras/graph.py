@@ -6,16 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-# Why: keras-team/keras#20585 (see `MultiWorkerFit`): tfmixprec's fix must apply exactly where
-# Keras's trainer takes its multi-worker path, so it asks Keras's own test.
 # Why: Keras makes `Model(inputs, outputs)` functional by rewriting the class's bases in
 # place; `MixedPrecisionModel.__new__` routes functional use to its own subclass instead, so
 # it needs Keras's test for functional arguments and the Functional class.
 from keras.src.models.functional import Functional  # noqa: F401  (re-exported)
 from keras.src.models.model import functional_init_arguments  # noqa: F401  (re-exported)
-
-# Why: see `in_xla_context`.
-
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 

@@ -9,12 +9,6 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-# Why: keras-team/keras#20585 (see `MultiWorkerFit`): tfmixprec's fix must apply exactly where
-# Keras's trainer takes its multi-worker path, so it asks Keras's own test.
-
-# Why: see `in_xla_context`.
-
-
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
 

@@ -9,14 +9,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-# Why: keras-team/keras#20585 (see `MultiWorkerFit`): tfmixprec's fix must apply exactly where
-# Keras's trainer takes its multi-worker path, so it asks Keras's own test.
 # Why: the optimizer's `build` sets attributes that Keras's tracker must not collect twice
 # (the parent `LossScaleOptimizer.build` is decorated the same way).
 from keras.src.utils.tracking import no_automatic_dependency_tracking  # noqa: F401
-
-# Why: see `in_xla_context`.
-
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 

@@ -4,7 +4,8 @@ who made it, and undone by the handle it returns.
 
 Why one registry: several parts of tfmixprec replace the same attributes. A CPU route
 replaces a layer's `call`, the call watcher of a replay wraps whatever `call` the layer has,
-float8's counters replace `_float8_call` and, for one call, `activation`, and the overflow
+float8's counters replace the float8 forward (`_float8_call`, or `quantized_call` on Keras
+3.16), add their variables and, for one call, replace `activation`, and the overflow
 keeper and the state guard both wrap a model's `train_step`. Each used to save and restore
 what it found, so it had to know what the others might have set, and undoing them out of
 order put back a replacement that was already gone. Here each attribute keeps a stack:
@@ -101,7 +102,7 @@ class _Stack:
         """The attribute made again from its own value up, through the patches left."""
         self.put(target, self.own)
         for patch in self.patches:
-            patch.value = patch.make(getattr(target, self.attribute))
+            patch.value = patch.make(getattr(target, self.attribute, None))
             self.put(target, patch.value)
         if not self.patches:
             self.drop(target)
@@ -132,10 +133,12 @@ def patch(
         target: The layer or model (any object with a `__dict__`).
         attribute: String. The attribute to replace.
         who: String. What makes the patch (reported by `patches_of`).
-        make: Callable `(current value) -> new value`; called again when a patch below this
-            one is undone, with the new value below.
+        make: Callable `(current value) -> new value` (current: None where the object has
+            no such attribute, so a patch may add one, as float8's counters do); called again
+            when a patch below this one is undone, with the new value below.
         raw: Bool. Set with `object.__setattr__` (past Keras's attribute tracking), for
-            attributes Keras reads privately (`_float8_call`, `activation` during a call).
+            attributes Keras reads privately (`_float8_call`, `activation` during a call) and
+            attributes Keras must not track (float8's counter variables).
 
     Returns:
         `Patch`, the handle that undoes it.
@@ -145,7 +148,7 @@ def patch(
         if stack is not None and stack.retired_by_outside_write(target):
             stack = None
         handle = Patch(target, attribute, who, make)
-        handle.value = make(getattr(target, attribute))  # may raise: nothing changed yet
+        handle.value = make(getattr(target, attribute, None))  # may raise: nothing changed yet
         if stack is None:
             stack = vars(target).setdefault(_STACKS, {})[attribute] = _Stack(target, attribute, raw)
         stack.put(target, handle.value)

@@ -14,12 +14,6 @@ import tensorflow as tf
 # only.
 from keras.src.legacy.saving.saving_utils import model_from_config
 
-# Why: keras-team/keras#20585 (see `MultiWorkerFit`): tfmixprec's fix must apply exactly where
-# Keras's trainer takes its multi-worker path, so it asks Keras's own test.
-
-# Why: see `in_xla_context`.
-
-
 __all__: list[str] = []  # private module: nothing here is part of the package's API
 
 

@@ -33,7 +33,13 @@ from tfmixprec._common.layers import (
     layer_names,
 )
 from tfmixprec._common.observe import Observation, observe
-from tfmixprec._keras.float8 import float8_call_watched, watch_float8_call
+from tfmixprec._keras.float8 import (
+    float8_call_watched,
+    float8_counts,
+    float_kernel,
+    unwatch_float8_call,
+    watch_float8_call,
+)
 from tfmixprec.precision import float8_recipe
 from tfmixprec.precision.cpu_route import unroute
 from tfmixprec.precision.float8_recipe import (  # and `tfmixprec.float8.X`, as in 0.4.0
@@ -53,9 +59,6 @@ __all__ = [
     "float8_stats",
     "quantization_counts",  # float8_recipe's, offered here as in 0.4.0
 ]
-
-
-_COUNTS = "_tfmixprec_float8_counts"  # on a watched layer: its counter variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,7 @@ def is_float8(layer: Any) -> bool:
 def matmul_dims(layer: Any) -> tuple[int, int] | None:
     """The contracted (K) and output (N) dimensions of `layer`'s matmul (for `EinsumDense`,
     of the matmul its equation lowers to), or None for other layers."""
-    kernel = getattr(layer, "_kernel", None)
+    kernel = float_kernel(layer)
     if kernel is None or not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
         return None
     shape = [int(d) for d in kernel.shape]
@@ -315,13 +318,21 @@ def watch_float8(model: keras.Model) -> list[str]:
     with _strategy_of(model).scope():
         for layer in iter_layers(model):
             if is_float8(layer) and not float8_call_watched(layer):
-                counts = _Counts(layer)
-                watch_float8_call(layer, counts.forward, counts.output)
-                object.__setattr__(layer, _COUNTS, counts)
+                watch_float8_call(layer, _Counts(layer))  # the counters: a patch, undone below
                 started.append(layer.path)
     if started:
         forget_traced_functions(model)
     return started
+
+
+def unwatch_float8(model: keras.Model) -> list[str]:
+    """Takes out what `watch_float8` made on every layer of `model` (the watched forward and
+    the counter variables: each layer is as Keras made it again); returns the names of the
+    layers it stopped watching (the model's traced functions are dropped then)."""
+    stopped = [layer.path for layer in iter_layers(model) if unwatch_float8_call(layer)]
+    if stopped:
+        forget_traced_functions(model)
+    return stopped
 
 
 def applied_steps(model: keras.Model) -> int:
@@ -330,7 +341,8 @@ def applied_steps(model: keras.Model) -> int:
 
 
 def _layer_stats(layer: Any, label: str, applied: int) -> Float8LayerStats:
-    counts = vars(layer)[_COUNTS].read() if _COUNTS in vars(layer) else {}
+    watched = float8_counts(layer)
+    counts = {} if watched is None else watched.read()
     tensors = {}
     for tensor in float8_recipe.RECIPE.tensors:
         amax = np.asarray(getattr(layer, tensor.amax_history).numpy(), np.float64)

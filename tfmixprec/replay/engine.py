@@ -42,7 +42,13 @@ import keras
 import tensorflow as tf
 
 from tfmixprec._common.arrays import nonfinite_count
-from tfmixprec._common.layers import all_layers, iter_layers, loss_value, watch_leaf_calls
+from tfmixprec._common.layers import (
+    CALLS_LOCK,
+    all_layers,
+    iter_layers,
+    loss_value,
+    watch_leaf_calls,
+)
 from tfmixprec._common.observe import state_put_back
 from tfmixprec._common.validate import check_bool
 from tfmixprec._keras.float8 import float8_replayed
@@ -119,8 +125,9 @@ def replay(
         if record is not None:
             record(layer, args, result)
 
-    watch = watch_leaf_calls(model, note)
-    with state_put_back(model), watch, float8_replayed(iter_layers(model), seen, output):
+    # The float8 replay first: on Keras 3.16 it replaces the `quantized_call` the watcher wraps.
+    float8_replay = float8_replayed(iter_layers(model), seen, output)
+    with state_put_back(model), CALLS_LOCK, float8_replay, watch_leaf_calls(model, note):
         with tf.GradientTape() as tape:
             y_pred = _called(model, x, training, called)
             loss = loss_value(loss_fn, y, y_pred, sample_weight)

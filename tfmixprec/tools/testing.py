@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmixprec._common.validate import check_int_at_least_one
-from tfmixprec._keras.fit import traced_train_functions
+from tfmixprec._keras.fit import compiled_with_xla, traced_train_functions
 
 Batch = TypeVar("Batch")  # a tensor or a nest of tensors, returned in the same structure
 
@@ -404,7 +404,7 @@ def host_waits(model: Any) -> tuple[HostWait, ...]:
     optimizer = getattr(model, "optimizer", None)
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     walk = _Walk(library, getattr(inner, "name", None))
-    walk.nodes(graph.node, "", False, "")
+    walk.nodes(graph.node, "", compiled_with_xla(traced[-1]), "")  # Keras 3.16: the step alone
     return tuple(walk.found)
 
 
