@@ -148,6 +148,16 @@ def compute_dtype_reverse_call(layer: Any, inputs: Any, reverse: bool = False) -
 # scores to its float16 policy, so a score past 65504 is `inf`, as in float16. On its other
 # path (`ops.dot_product_attention`, no softmax layer) float32 scores could not overflow, so
 # that path runs in float16, as Keras runs it.
+ATTENTION_METHOD = "_compute_attention"  # the method `float32_attention` stands in for
+
+
+def computes_kerass_attention(layer: Any) -> bool:
+    """Whether `layer` computes attention with Keras's own `_compute_attention` (a
+    `MultiHeadAttention`, KerasHub's attention layers among them, that does not override it)."""
+    method = keras.layers.MultiHeadAttention._compute_attention
+    return getattr(type(layer), "_compute_attention", None) is method
+
+
 def float32_attention(
     layer: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
 ) -> Any:

@@ -34,6 +34,8 @@ import tensorflow as tf
 from tfmixprec._common.layers import all_layers, compute_dtype_of
 from tfmixprec._keras.fit import trace_again
 from tfmixprec._keras.kernels import (
+    ATTENTION_METHOD,
+    computes_kerass_attention,
     float32_attention,
     float32_convolution_call,
     float32_product_call,
@@ -124,7 +126,6 @@ _CONVOLUTION_CALLS = (
     keras.layers.SeparableConv1D,
     keras.layers.SeparableConv2D,
 )
-_ATTENTION = keras.layers.MultiHeadAttention._compute_attention
 
 
 def _convolution(layer: Any) -> tuple[str, Any] | None:
@@ -143,8 +144,8 @@ def _product(layer: Any) -> tuple[str, Any] | None:
 
 
 def _attention(layer: Any) -> tuple[str, Any] | None:
-    if getattr(type(layer), "_compute_attention", None) is _ATTENTION:  # KerasHub's too
-        return "_compute_attention", float32_attention
+    if computes_kerass_attention(layer):  # KerasHub's too
+        return ATTENTION_METHOD, float32_attention
     return None
 
 

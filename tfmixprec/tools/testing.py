@@ -404,7 +404,8 @@ def host_waits(model: Any) -> tuple[HostWait, ...]:
     optimizer = getattr(model, "optimizer", None)
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     walk = _Walk(library, getattr(inner, "name", None))
-    walk.nodes(graph.node, "", compiled_with_xla(traced[-1]), "")  # Keras 3.16: the step alone
+    xla = compiled_with_xla(traced_train_functions(model)[-1])  # Keras 3.16: the step alone
+    walk.nodes(graph.node, "", xla, "")
     return tuple(walk.found)
 
 
