@@ -127,6 +127,7 @@ def test_softmax_precision_smoke():
     out = _run("softmax_precision.py", "--quick")
     assert "| float16 | 64 | 4 | " in out and "| bfloat16 | 64 | 4 | " in out
     assert "| mixed_float16 | float32 (Softmax dtype='float32') | " in out
+    assert "GPT-2 (1 layer, hidden 32, 4 heads, dropout 0.1, sequence 16, batch 8, " in out
 
 
 def test_zoo_smoke():
