@@ -20,6 +20,9 @@ Either way the probabilities reach the product in float16/bfloat16. Two measurem
 
     python benchmarks/softmax_precision.py            # about a minute on 2 cores
     python benchmarks/softmax_precision.py --quick    # a tiny run, for the tests
+
+`--quick` shrinks the kernels to one size (64 keys, sigma 4, 8 rows) and the GPT-2 to
+`QUICK_GPT2` (1 layer, hidden 32, sequence 16, vocabulary 64) for 2 steps: every line still runs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 EPSILON = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
+# The GPT-2 trained in part 2, and the one `--quick` trains (tests: its size changes nothing
+# the table's code does, and a KerasHub model's tracing dominates the run's time).
+GPT2 = dict(layers=2, hidden=128, heads=4, vocabulary=512, sequence=64)
+QUICK_GPT2 = dict(layers=1, hidden=32, heads=4, vocabulary=64, sequence=16)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,8 +47,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="GPT-2 training steps")
     parser.add_argument("--quick", action="store_true", help="a tiny run, for the tests")
     args = parser.parse_args(argv)
+    args.gpt2 = GPT2
     if args.quick:
-        args.keys, args.sigmas, args.rows, args.steps = [64], [4.0], 8, 3
+        args.keys, args.sigmas, args.rows, args.steps = [64], [4.0], 8, 2
+        args.gpt2 = QUICK_GPT2
     return args
 
 
@@ -110,20 +119,20 @@ def kernels(args: argparse.Namespace) -> list[str]:
 
 
 # ------------------------------------------------------------------ 2. training
-def _gpt2(policy: str, softmax_in_float32: bool):
+def _gpt2(policy: str, softmax_in_float32: bool, size: dict):
     import keras
     import keras_hub
 
     keras.config.set_dtype_policy(policy)
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=512,
-        num_layers=2,
-        num_heads=4,
-        hidden_dim=128,
-        intermediate_dim=256,
+        vocabulary_size=size["vocabulary"],
+        num_layers=size["layers"],
+        num_heads=size["heads"],
+        hidden_dim=size["hidden"],
+        intermediate_dim=2 * size["hidden"],
         dropout=0.1,
-        max_sequence_length=64,
+        max_sequence_length=size["sequence"],
     )
     model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
     if softmax_in_float32:
@@ -135,23 +144,23 @@ def _gpt2(policy: str, softmax_in_float32: bool):
     return model
 
 
-def _losses(policy: str, softmax_in_float32: bool, steps: int) -> list[float]:
+def _losses(policy: str, softmax_in_float32: bool, steps: int, size: dict) -> list[float]:
     import keras
     import numpy as np
 
     import tfmixprec
     from tfmixprec.tools import bench
 
-    model = _gpt2(policy, softmax_in_float32)
+    model = _gpt2(policy, softmax_in_float32, size)
     optimizer = keras.optimizers.Adam(1e-3)
     if policy == "mixed_float16":
         optimizer = tfmixprec.LossScaleOptimizer(optimizer)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(True))
     # A learnable task: each sequence counts up from a random start by a random stride.
-    rng = np.random.default_rng(1)
-    start = rng.integers(0, 511, (steps * 8, 1))
+    rng, top = np.random.default_rng(1), size["vocabulary"] - 1
+    start = rng.integers(0, top, (steps * 8, 1))
     stride = rng.integers(1, 4, (steps * 8, 1))
-    tokens = (1 + (start + stride * np.arange(65)) % 511).astype("int32")
+    tokens = (1 + (start + stride * np.arange(size["sequence"] + 1)) % top).astype("int32")
     x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones_like(tokens[:, :-1])}
     keras.utils.set_random_seed(2)  # the same dropout masks in every run
     record = bench.StepLosses()
@@ -162,10 +171,12 @@ def _losses(policy: str, softmax_in_float32: bool, steps: int) -> list[float]:
 def training(args: argparse.Namespace) -> list[str]:
     import numpy as np
 
-    reference = np.array(_losses("float32", False, args.steps))
+    size = args.gpt2
+    reference = np.array(_losses("float32", False, args.steps, size))
     lines = [
-        f"GPT-2 (2 layers, hidden 128, 4 heads, dropout 0.1, sequence 64, batch 8, sequences "
-        f"that count up by a stride), Adam 1e-3, "
+        f"GPT-2 ({size['layers']} layer{'s' if size['layers'] > 1 else ''}, hidden "
+        f"{size['hidden']}, {size['heads']} heads, dropout 0.1, sequence {size['sequence']}, "
+        f"batch 8, sequences that count up by a stride), Adam 1e-3, "
         f"{args.steps} steps from the same seed; float32 loss {reference[0]:.4f} -> "
         f"{reference[-1]:.4f}",
         "",
@@ -175,7 +186,7 @@ def training(args: argparse.Namespace) -> list[str]:
     for policy in ("mixed_float16", "mixed_bfloat16"):
         low = policy.split("_")[1]
         for in_float32 in (False, True):
-            losses = np.array(_losses(policy, in_float32, args.steps))
+            losses = np.array(_losses(policy, in_float32, args.steps, size))
             distance = float(np.max(np.abs(losses - reference) / np.abs(reference)))
             where = "float32 (Softmax dtype='float32')" if in_float32 else f"{low} (as built)"
             lines.append(f"| {policy} | {where} | {losses[-1]:.4f} | {distance:.2e} |")

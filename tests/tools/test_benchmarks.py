@@ -1,33 +1,17 @@
-"""Smoke runs of the benchmark scripts at tiny sizes: they keep working. No timing is asserted."""
+"""Smoke runs of the benchmark scripts at tiny sizes: they keep working. No timing is asserted.
+The scripts on KerasHub's models are in `test_benchmarks_zoo.py` (two files, so that
+pytest-xdist's `--dist loadfile` runs them in both processes)."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_runs import run
 
 import tfmixprec
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _run(script, *args):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
 
 def test_overhead_smoke():
-    out = _run(
+    out = run(
         "overhead.py",
         "--steps",
         "4",
@@ -50,7 +34,7 @@ def test_overhead_smoke():
 
 
 def test_speedup_smoke():
-    out = _run(
+    out = run(
         "speedup.py",
         "--models",
         "mlp",
@@ -73,19 +57,19 @@ def test_speedup_smoke():
 
 
 def test_parity_smoke():
-    out = _run("parity.py", "--quick", "--tasks", "underflow", "--train-size", "256")
+    out = run("parity.py", "--quick", "--tasks", "underflow", "--train-size", "256")
     assert "| underflow | float32 | fp16 no scaling | fp16 fixed 128 | fp16 dynamic | bf16 |" in out
     assert "| test accuracy (mean ± sd over seeds) |" in out
     assert "| final loss scale | 1 | n/a | 128 | " in out
 
 
 def test_step_ops_smoke():
-    out = _run("step_ops.py", "--variables", "2", "--calls", "3", "--repeats", "1")
+    out = run("step_ops.py", "--variables", "2", "--calls", "3", "--repeats", "1")
     assert out.count("top level +") == 2 and "tfmixprec  ops:" in out
 
 
 def test_cpu_kernels_smoke():
-    out = _run("cpu_kernels.py", "--size", "32", "--repeats", "1", "--steps", "1")
+    out = run("cpu_kernels.py", "--size", "32", "--repeats", "1", "--steps", "1")
     assert "remapper on (default): ms per call (x float32)" in out
     assert "remapper off: ms per call (x float32)" in out
     ops = (
@@ -107,7 +91,7 @@ def test_cpu_kernels_smoke():
 
 
 def test_diagnosis_names_every_case():
-    out = _run("diagnosis.py")
+    out = run("diagnosis.py")
     verdicts = [line for line in out.splitlines() if line.startswith("## ")]
     assert len(verdicts) == 4
     assert all(line.endswith("[OK]") for line in verdicts), verdicts
@@ -115,76 +99,12 @@ def test_diagnosis_names_every_case():
 
 
 def test_multi_worker_smoke():
-    out = _run("multi_worker.py", "--smoke")
+    out = run("multi_worker.py", "--smoke")
     rows = [line.split()[0] for line in out.splitlines() if "ms/step" in line]
     assert rows == ["plain", "mwms-1", "mwms-2"]
     assert "round 0: 2 workers' weights bit-identical: True;" in out
     # The tolerance follows from the compute dtype and the steps (multi_worker.tolerance).
     assert re.search(r"after 2 steps: mwms-2 \S+ \(allclose rtol \S+, atol \S+: True\)", out), out
-
-
-def test_softmax_precision_smoke():
-    out = _run("softmax_precision.py", "--quick")
-    assert "| float16 | 64 | 4 | " in out and "| bfloat16 | 64 | 4 | " in out
-    assert "| mixed_float16 | float32 (Softmax dtype='float32') | " in out
-
-
-def test_zoo_smoke():
-    stacks = ("float32", "bf16 tfmixprec", "f16 tfmixprec")
-    out = _run("zoo.py", "--quick", "--models", "gpt2", "--stacks", *stacks)
-    assert "| gpt2 | float32 | " in out and " | 1.00x | " in out
-    for stack in stacks[1:]:
-        row = rf"\| gpt2 \| {stack} \| [\d.]+ \| [\d.]+x \| \d+ \| \d\.\de[-+]\d\d"
-        row += r"( \(\d+ of them skipped\))? \|"
-        assert re.search(row, out), out
-
-
-def test_gpu_check_smoke():
-    pytest.importorskip("keras_hub")
-    out = _run("gpu_check.py", "--smoke")
-    header = r"^device: .+; TensorFlow [\d.]+, Keras [\d.]+; zoo size tiny: gpt2 .+; vit "
-    assert re.search(header, out, re.M), out
-    rows = {}
-    for line in out.splitlines():
-        cells = [cell.strip() for cell in line.strip("|").split("|")]
-        if len(cells) == 6 and cells[0] in ("gpt2", "vit"):
-            rows[tuple(cells[:3])] = cells[3:]
-    policies = ("float32", "mixed_bfloat16", "mixed_float16", "float8")
-    expected = [(m, p, "off") for m in ("gpt2", "vit") for p in policies]
-    expected.append(("gpt2", "mixed_float16, keras LSO", "off"))
-    assert all(key in rows for key in expected), out
-    for (model, policy, xla), (ms, speed, _) in rows.items():
-        if xla == "on" and re.fullmatch(r"failed: \w+|skipped \(--smoke\)", ms):
-            continue  # XLA may fail on a CPU; --smoke compiles one XLA row only
-        assert (model, policy, xla) in expected or xla == "on", out
-        assert float(ms) > 0 and re.fullmatch(r"\d+\.\d\dx", speed), out
-        if policy == "float32":
-            assert speed == "1.00x", out
-    assert re.fullmatch(r"tfmixprec LSO / keras LSO: \d+\.\d\dx", rows[expected[-1]][2]), out
-    assert "layers in float8" in rows[("gpt2", "float8", "off")][2], out
-
-
-def test_op_profile_smoke():
-    """The op table per stack, and the stacks timed in alternation (`--paired`): the
-    element-wise route and the callbacks' adoption among them (one run: each run builds
-    GPT-2 once per stack)."""
-    pytest.importorskip("keras_hub")
-    stacks = ["float32", "bf16 keras", "bf16 tfmixprec", "bf16 elementwise", "bf16 adopted"]
-    out = _run(
-        "op_profile.py", "--quick", "--model", "gpt2", "--stacks", *stacks,
-        "--paired", "2", "--versus", "bf16 tfmixprec",
-    )  # fmt: skip
-    assert f"| | {' | '.join(stacks)} |" in out
-    cells = r" \| ".join([r"\*\*\d+\*\*"] * len(stacks))
-    assert re.search(rf"\| step, wall ms \| {cells} \|", out), out
-    for part in ("matmul", "loss and metrics", "dropout", "normalization", "all ops"):
-        assert re.search(rf"\| {part}, op ms \|( \d+ \|){{{len(stacks)}}}", out), out
-    assert re.search(rf"\| MatMul \(matmul\) \|( [\d.]+ \|){{{len(stacks)}}}", out), out
-    head = "| stack | median ms/step | vs float32 | per round, vs float32 | per round, vs "
-    assert f"{head}bf16 tfmixprec |" in out
-    ratio, span = r"\d+\.\d\dx", r"\d+\.\d\d-\d+\.\d\dx"
-    for stack in stacks:
-        assert re.search(rf"\| {stack} \| [\d.]+ \| {ratio} \| {span} \| {span} \|", out), out
 
 
 def test_step_losses_needs_one_call_per_step():
@@ -215,7 +135,7 @@ def test_step_losses_needs_one_call_per_step():
 
 
 def test_repair_smoke():
-    out = _run("repair.py", "--quick", "--models", "gelu-regression")
+    out = run("repair.py", "--quick", "--models", "gelu-regression")
     assert "| gelu-regression | f16 keras | " in out and "| 8 of 8 | - | - |" in out
     repaired = (
         r"\| gelu-regression \| f16 repair \| [\d.]+ \| [\d.]+% \| 5 of 8 \| 1 \| `dense_0` \|"
@@ -225,7 +145,7 @@ def test_repair_smoke():
 
 
 def test_float8_quality_smoke():
-    out = _run("float8_quality.py", "--models", "mlp", "--steps", "4")
+    out = run("float8_quality.py", "--models", "mlp", "--steps", "4")
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| mlp")]
     assert [(row[1], row[2]) for row in rows] == [
         ("bfloat16", "0"),
@@ -233,7 +153,7 @@ def test_float8_quality_smoke():
         ("model.quantize", "3"),
     ]
     assert rows[0][4] == "+0.0%" and all(float(row[3]) > 0 for row in rows)
-    out = _run("float8_quality.py", "--growth", "--steps", "7")
+    out = run("float8_quality.py", "--growth", "--steps", "7")
     steps = [line.split(" | ") for line in out.splitlines() if re.match(r"\| \d", line)]
     assert [int(row[0][2:]) for row in steps] == list(range(1, 8))
     assert [row[1] for row in steps] == ["1024"] * 4 + ["2048"] * 3  # grows after 5 steps
