@@ -73,8 +73,7 @@ def _fitted(value: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
     """`value` cut or zero-padded to `shape` (the same rank)."""
     have = tf.shape(value)
     take = tf.minimum(have, shape)
-    value = tf.slice(value, tf.zeros_like(take), take)
-    return tf.pad(value, tf.stack([tf.zeros_like(take), shape - take], axis=1))
+    return _padded(tf.slice(value, tf.zeros_like(take), take), shape, take)
 
 
 def _padded(value: tf.Tensor, shape: tf.Tensor, have: tf.Tensor) -> tf.Tensor:
@@ -102,13 +101,13 @@ class _Slots:
         its buffer, and the scatter would then copy every row first (copy on write)."""
         return tf.slice(tf.raw_ops.VariableShape(input=self.data.handle), [1], [self.rank])
 
-    def room_for(self, value: tf.Tensor, grow: bool) -> tuple[tf.Tensor, tf.Tensor | None]:
-        """The shape a row holds for `value` this step, and whether `value` fits there (None:
-        it does). With `grow` (outside XLA) the rows grow in the step where `value` is larger:
+    def room_for(self, shape: tf.Tensor, grow: bool) -> tuple[tf.Tensor, tf.Tensor | None]:
+        """The shape a row holds for a value of `shape` this step, and whether the value fits
+        there (None: it does). With `grow` (outside XLA) the rows grow in the step where it is
+        larger:
         a branch decided by shapes alone, on the host (no device value: no wait on a GPU), the
         rows copied only when they grow; inside XLA, whose step keeps a variable's size, `poll`
         grows them between steps."""
-        shape = tf.shape(value)
         with tf.device("/cpu:0"):
             held = self.held()
             if not grow:
@@ -126,12 +125,18 @@ class _Slots:
         return room, None
 
     def write(
-        self, value: tf.Tensor, room: tf.Tensor, row: tf.Tensor, chosen: tf.Tensor, cut: bool
+        self,
+        value: tf.Tensor,
+        shape: tf.Tensor,
+        room: tf.Tensor,
+        row: tf.Tensor,
+        chosen: tf.Tensor,
+        cut: bool,
     ) -> list:
-        """Writes `value` into `row` (a vector of one index: the scratch row), zero-padded to
-        `room` (and `cut` to it, where it may be larger), and its shape into the `chosen` slots
-        (a column); notes its shape. One row a step: the device copies the batch once."""
-        shape = tf.shape(value)
+        """Writes `value` (of `shape`) into `row` (a vector of one index: the scratch row),
+        zero-padded to `room` (and `cut` to it, where it may be larger), and its shape into the
+        `chosen` slots (a column); notes its shape. One row a step: the device copies the batch
+        once."""
         fitted = _fitted(value, room) if cut else _padded(value, room, shape)
         # The op itself: a sync-on-read variable has no `scatter_update` in replica context,
         # where its `handle` is this replica's copy's. `ResourceScatterUpdate` has a kernel
@@ -241,7 +246,8 @@ class OverflowBatches:
             return
         slots = [(x, s) for x, s in zip(flat, self._slots) if s is not None]
         grow = not in_xla_context()
-        rooms = [slot.room_for(tensor, grow) for tensor, slot in slots]
+        shapes = [tf.shape(tensor) for tensor, _ in slots]
+        rooms = [slot.room_for(shape, grow) for shape, (_, slot) in zip(shapes, slots)]
         # Outside XLA the rows have grown to hold the batch; inside, it may not fit.
         fits = None if grow else tf.reduce_all(tf.stack([fit for _, fit in rooms]))
         kept = overflowed if fits is None else tf.logical_and(overflowed, fits)
@@ -257,8 +263,8 @@ class OverflowBatches:
         if self.keeps_latest:
             chosen = tf.logical_or(chosen, tf.logical_and(kept, tf.constant(slot == self.limit)))
         row, column = tf.reshape(scratch, [1]), tf.expand_dims(chosen, 1)
-        for (tensor, tensor_slots), (room, fit) in zip(slots, rooms):
-            tensor_slots.write(tensor, room, row, column, cut=fit is not None)
+        for (tensor, tensor_slots), shape, (room, fit) in zip(slots, shapes, rooms):
+            tensor_slots.write(tensor, shape, room, row, column, cut=fit is not None)
         self._where.assign(tf.where(chosen, scratch, where))
         step = tf.cast(optimizer.last_overflow_step(), tf.int64)
         scale = tf.cast(optimizer.last_overflow_scale, tf.float32)
