@@ -239,7 +239,7 @@ class MixedPrecisionMixin(MultiWorkerFit):
             )
         with guard_state(self, self.optimizer) as guarded:  # a skipped step changes nothing
             logs = super().train_step(data)
-        logs = dict(metrics_after_guard(self, logs))  # the means over the applied steps
+        logs = dict(metrics_after_guard(self, logs, guarded))  # the means over the applied steps
         logs.update(self.optimizer.snapshot(guarded.skipped))
         return logs
 

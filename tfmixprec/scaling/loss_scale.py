@@ -142,29 +142,16 @@ def _widen(value: Any) -> tf.Tensor:
 
 
 def multiply(value: Any, scale: Any) -> tf.Tensor:
-    """`value * scale` in float32 (float64 stays float64): the scaled loss, never in float16.
-
-    Args:
-        value: Tensor. The loss (any float dtype).
-        scale: Scalar tensor or number. The loss scale.
-
-    Returns:
-        A float32 (float64 for a float64 `value`) tensor.
-    """
+    """`value * scale` in float32 (float64 stays float64): the scaled loss, never in float16
+    (`value`: the loss, any float dtype; `scale`: a scalar tensor or number)."""
     value = _widen(value)
     return value * tf.cast(scale, value.dtype)
 
 
 def divide(grad: Any, divisor: Any) -> Any:
-    """`grad / divisor` in float32 (float64 for float64), keeping dtype and sparsity.
-
-    Args:
-        grad: Tensor, `tf.IndexedSlices` or `None`. One gradient of the scaled loss.
-        divisor: Scalar tensor or number. The loss scale.
-
-    Returns:
-        The unscaled gradient in `grad`'s dtype (`None` stays `None`, sparse stays sparse).
-    """
+    """`grad / divisor` in float32 (float64 for float64): one gradient of the scaled loss
+    (a tensor, `tf.IndexedSlices` or `None`) unscaled, in `grad`'s dtype (`None` stays
+    `None`, sparse stays sparse)."""
     if grad is None:
         return None
     if isinstance(grad, tf.IndexedSlices):
@@ -238,8 +225,10 @@ def _axes(values: tf.Tensor, made: dict[int, tf.Tensor]) -> tf.Tensor | None:
 
 
 def nonfinite_flags(evidence: tf.Tensor, dtype: Any = tf.int32) -> tf.Tensor:
-    """1 for each variable whose gradient held an Inf or NaN, from `check`'s evidence."""
-    return tf.cast(tf.logical_not(tf.math.is_finite(evidence)), dtype)
+    """1 (True, for `dtype=tf.bool`) for each variable whose gradient held an Inf or NaN,
+    from `check`'s evidence."""
+    flags = tf.logical_not(tf.math.is_finite(evidence))
+    return flags if dtype == tf.bool else tf.cast(flags, dtype)
 
 
 class LossScaleState(NamedTuple):
@@ -359,8 +348,9 @@ def next_state(
         finite: Python bool. Whether the step's gradients were finite (the caller branches
             on a tensor: `LossScale.adjust`).
         iteration: Int tensor. Applied steps before this step (the optimizer's `iterations`).
-        nonfinite: Int vector or None. After an overflow, 1 for each variable whose gradient
-            was not finite (`nonfinite_flags`), counted against it; None counts nothing.
+        nonfinite: Int or bool vector, or None. After an overflow, 1 (True) for each
+            variable whose gradient was not finite (`nonfinite_flags`), counted against it;
+            None counts nothing.
 
     Returns:
         `LossScaleState`. A field the step leaves alone is `state`'s own object (`is`), so a
@@ -381,7 +371,11 @@ def reads(config: LossScaleConfig, finite: bool) -> tuple[str, ...]:
     (it overwrites the others or leaves them alone): `LossScale.adjust` reads only these."""
     if finite:
         return ("good_steps", *_GROWTH_READS) if config.dynamic else ("good_steps",)
-    return _OVERFLOW_READS + (_BACKOFF_READS if config.dynamic else ())
+    if not config.dynamic:
+        return _OVERFLOW_READS
+    # With a hysteresis of 1 every overflow backs off: the tracker is not read, it becomes 0.
+    backoff = _BACKOFF_READS if config.hysteresis > 1 else _BACKOFF_READS[:-1]
+    return _OVERFLOW_READS + backoff
 
 
 _GROWTH_READS = ("scale", "min_scale_overflows", "hysteresis_tracker")
@@ -400,22 +394,22 @@ def _after_finite(config: LossScaleConfig, state: LossScaleState) -> dict[str, t
     """A clean step: the run of overflows ends; the scale grows every `growth_interval`.
     (One constant a value: the counters share one dtype.)"""
     zero = tf.zeros_like(state.good_steps)
+    one = tf.ones_like(zero)
     new = {"consecutive_overflows": zero}
-    counter = state.good_steps + 1
+    counter = state.good_steps + one
     if not config.dynamic:
         return {**new, "good_steps": counter}
     grow = counter >= config.growth_interval
     scale = state.scale
     grown = tf.minimum(scale * config.growth_factor, config.max_scale)
     at_min, tracker = state.min_scale_overflows, state.hysteresis_tracker
+    full = one if config.hysteresis == 1 else tf.constant(config.hysteresis, tracker.dtype)
     return {
         **new,
         "scale": tf.where(grow, grown, scale),
         "good_steps": tf.where(grow, zero, counter),
         "min_scale_overflows": tf.where(grow, zero, at_min),
-        "hysteresis_tracker": tf.where(
-            grow, tf.constant(config.hysteresis, tracker.dtype), tracker
-        ),
+        "hysteresis_tracker": tf.where(grow, full, tracker),
     }
 
 
@@ -439,25 +433,37 @@ def _after_overflow(
         "good_steps": zero,
     }
     if nonfinite is not None and state.nonfinite_steps is not None:
-        nonfinite = tf.cast(nonfinite, state.nonfinite_steps.dtype)
-        new["nonfinite_steps"] = state.nonfinite_steps + nonfinite
-        last = state.last_nonfinite_step
-        new["last_nonfinite_step"] = tf.where(nonfinite > zero, this_step, last)
+        nonfinite = tf.convert_to_tensor(nonfinite)
+        hit = nonfinite if nonfinite.dtype == tf.bool else nonfinite > 0
+        counts = state.nonfinite_steps
+        new["nonfinite_steps"] = counts + tf.cast(nonfinite, counts.dtype)
+        new["last_nonfinite_step"] = tf.where(hit, this_step, state.last_nonfinite_step)
     if not config.dynamic:
         return new
+    return {**new, **_backed_off(config, state, this_step, zero, one)}
+
+
+def _backed_off(
+    config: LossScaleConfig, state: LossScaleState, this_step: Any, zero: Any, one: Any
+) -> dict[str, tf.Tensor]:
+    """A dynamic scale's overflow: counted at `min_scale`, and backed off once `hysteresis`
+    overflows were seen (with a hysteresis of 1, every time: the tracker, 0 or 1, is now 0)."""
     scale, at_min = state.scale, state.min_scale_overflows
-    at_floor = scale <= config.min_scale
+    floor = tf.constant(config.min_scale, scale.dtype)
+    at_floor = scale <= floor
     first_at_min = tf.logical_and(at_floor, state.min_scale_overflow_iteration < zero)
-    tracker = tf.maximum(state.hysteresis_tracker - one, zero)
-    backed_off = tf.maximum(scale * config.backoff_factor, config.min_scale)
+    backed_off = tf.maximum(scale * config.backoff_factor, floor)
+    tracker = zero
+    if config.hysteresis > 1:
+        tracker = tf.maximum(state.hysteresis_tracker - one, zero)
+        backed_off = tf.where(tf.equal(tracker, zero), backed_off, scale)
     return {
-        **new,
         "min_scale_overflow_iteration": tf.where(
             first_at_min, this_step, state.min_scale_overflow_iteration
         ),
         "min_scale_overflows": tf.where(at_floor, at_min + one, at_min),
         "hysteresis_tracker": tracker,
-        "scale": tf.where(tf.equal(tracker, zero), backed_off, scale),
+        "scale": backed_off,
     }
 
 
@@ -599,7 +605,7 @@ class LossScale(tf.Module):
             return
         flags = None
         if not finite and evidence is not None and self.nonfinite_steps is not None:
-            flags = nonfinite_flags(evidence, self.overflow_steps.dtype)
+            flags = nonfinite_flags(evidence, tf.bool)
         state = self.state_now(reads(self.config, finite))
         new = next_state(self.config, state, finite, iteration, flags)
         variables = self.variables_by_name()

@@ -8,7 +8,9 @@ the unit's transition. All state is variables; nothing that decides a step is Py
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -174,6 +176,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
             lambda name, dtype, value, shape=(): self._state_variable(name, shape, dtype, value),
         )
         self._accumulator: GradientAccumulator | None = None  # made by `build`
+        self._finite_checked = weakref.WeakKeyDictionary()  # graph: {thread: flag}, skipped()
 
     def _state_variable(self, name: str, shape: tuple, dtype: str, value: float) -> Any:
         # All replicas compute the same value; take the first replica's write.
@@ -389,7 +392,11 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         tracked = self.tracked_variables()
         variables = tracked if trainable_variables is None else list(trainable_variables)
         indices = [self.variable_index(v) for v in variables]
-        return check(grads, indices, len(tracked))
+        finite, evidence = check(grads, indices, len(tracked))
+        if not tf.executing_eagerly():
+            graph = tf.compat.v1.get_default_graph()
+            self._finite_checked.setdefault(graph, {})[threading.get_ident()] = finite
+        return finite, evidence
 
     def apply_finite_step(self, grads: Sequence[Any], trainable_variables: Any) -> None:
         """Applies already unscaled gradients through the inner optimizer; counts a clean step."""
@@ -418,7 +425,13 @@ class LossScaleOptimizer(KerasLossScaleHooks):
     def skipped(self) -> tf.Tensor:
         """Whether the step that just ran was skipped (a scalar bool, read in the graph):
         after `apply`, its gradients were not finite. With accumulation only the micro-batch
-        that ends a window can be skipped."""
+        that ends a window can be skipped. In the graph that ran the check (`apply` in this
+        `tf.function`, this replica), the check's own flag: no read."""
+        if self._accumulator is None and not tf.executing_eagerly():
+            checked = self._finite_checked.get(tf.compat.v1.get_default_graph(), {})
+            finite = checked.get(threading.get_ident())
+            if finite is not None:
+                return tf.logical_not(finite)
         skipped = read_now(self._loss_scale.consecutive_overflows) > 0
         if self._accumulator is not None:
             ended = tf.equal(read_now(self._accumulator.micro_step), 0)

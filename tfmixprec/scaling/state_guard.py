@@ -27,8 +27,10 @@ from tfmixprec.scaling.loss_scale import read_now
 __all__ = ["guard_state"]
 
 
-def _restore(copy: tf.Variable, skipped: tf.Tensor, saved: tf.Tensor) -> Any:
-    return copy.assign(tf.where(skipped, saved, read_now(copy)))
+def _restore(copy: tf.Variable, skipped: tf.Tensor, saved: tf.Tensor) -> tf.Tensor:
+    value = tf.where(skipped, saved, read_now(copy))
+    copy.assign(value)
+    return value
 
 
 def guarded_variables(model: keras.Model) -> list[Any]:
@@ -45,9 +47,13 @@ def guarded_variables(model: keras.Model) -> list[Any]:
 
 class GuardedStep:
     """What `guard_state` yields: after the block, `skipped` holds the skip flag it read (a
-    scalar bool tensor of this step), for the step's logs (`optimizer.snapshot(skipped)`)."""
+    scalar bool tensor of this step), for the step's logs (`optimizer.snapshot(skipped)`),
+    and, in a `tf.function` without a strategy, `restored` the value each variable it put
+    back holds now (by the variable's `id`), for the logs without a read."""
 
-    skipped: Any = None
+    def __init__(self) -> None:
+        self.skipped: Any = None
+        self.restored: dict[int, tf.Tensor] = {}
 
 
 @contextlib.contextmanager
@@ -110,8 +116,7 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[GuardedStep]:
     if tf.distribute.has_strategy():  # each replica its own copies, in one merge_call
         update_each_copy([(v, _restore, (skipped, s)) for v, s in pairs])
         return
-    for variable, value in pairs:
-        _restore(variable, skipped, value)
+    guarded.restored = {id(v): _restore(v, skipped, value) for v, value in pairs}
 
 
 def written_since(first: int, variables: list[Any]) -> set[int]:
@@ -148,9 +153,9 @@ def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[An
     def guarded(data: Any) -> Any:
         if not callable(getattr(model.optimizer, "skipped", None)):
             return step(data)  # compiled again with another optimizer: no step is skipped
-        with guard_state(model, model.optimizer):
+        with guard_state(model, model.optimizer) as guarded:
             logs = step(data)
-        return metrics_after_guard(model, logs)
+        return metrics_after_guard(model, logs, guarded)
 
     guarded.tfmixprec_guarded = True  # wrapped once
     guarded.__wrapped__ = step  # the step it guards (the user's own, if they set one)
@@ -159,16 +164,20 @@ def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[An
     return guarded
 
 
-def metrics_after_guard(model: keras.Model, logs: Any) -> Any:
+def metrics_after_guard(model: keras.Model, logs: Any, guarded: GuardedStep | None = None) -> Any:
     """A step's `logs` with the model's metric results read again after `guard_state`: the
     running means over the applied steps (a skipped step's values put back; read inside the
     block they still held its nan), and nan while no step of the epoch was applied (the mean
-    of nothing, where Keras's `Mean` says 0). Keys that are not metric results stay."""
+    of nothing, where Keras's `Mean` says 0). Keys that are not metric results stay.
+    `guarded`: what the guard yielded (the loss's step count as it put it back: no read)."""
     if not isinstance(logs, dict):
         return logs
     results = model.get_metrics_result()
     count = loss_tracker_count(model)
-    nothing = None if count is None else tf.equal(read_now(count), 0)  # one read, every key
+    if count is not None:  # one value, every key
+        restored = {} if guarded is None else guarded.restored
+        count = restored[id(count)] if id(count) in restored else read_now(count)
+    nothing = None if count is None else tf.equal(count, 0)
     fresh = {}
     for key, value in logs.items():
         if key in results:

@@ -1,0 +1,141 @@
+"""`LossScaleOptimizer.skipped()`: whether the step that just ran was skipped, the same value
+eagerly, in the `tf.function` that ran `apply` (the check's own flag, no read of the state),
+in another `tf.function` (a read), across threads, under 2 replicas and with XLA; and the
+state a step's branch reads (`loss_scale.reads`)."""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmixprec import LossScaleOptimizer
+from tfmixprec.scaling.loss_scale import LossScaleConfig, initial_state, next_state, reads
+
+PATTERN = [False, True, True, False]  # the steps' gradients: finite, or with an Inf
+
+
+def _optimizer(count=1):
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=8.0)
+    variables = [keras.Variable(np.ones(3, "float32")) for _ in range(count)]
+    opt.build(variables)
+    return (opt, *variables)
+
+
+def _grad(opt, overflow):
+    scale = tf.cast(opt.loss_scale, tf.float32)
+    return tf.where(tf.constant(overflow), tf.constant([np.inf, 1.0, 1.0]), scale * tf.ones(3))
+
+
+def test_eagerly_it_reads_the_state():
+    opt, var = _optimizer()
+    seen = []
+    for overflow in PATTERN:
+        opt.apply([_grad(opt, overflow)], [var])
+        seen.append(bool(opt.skipped()))
+    assert seen == PATTERN
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_in_the_function_that_applied_it_is_the_checks_flag(jit_compile):
+    opt, var = _optimizer()
+
+    @tf.function(jit_compile=jit_compile)
+    def step(overflow):
+        opt.apply([tf.where(overflow, tf.constant([np.inf, 1.0, 1.0]), tf.ones(3))], [var])
+        return opt.skipped()
+
+    seen = [bool(step(tf.constant(overflow))) for overflow in PATTERN]
+    assert seen == PATTERN
+    # the state is read inside the branches (to count), not for the flag
+    graph = step.get_concrete_function(tf.TensorSpec([], tf.bool)).graph
+    assert _reads(graph, opt.consecutive_overflows) == 0
+
+
+def _reads(graph, variable):
+    """The ReadVariableOps of `variable` in `graph` itself (not in its branches)."""
+    inner = [t for outer, t in graph.captures if outer is variable.value.handle]
+    return sum(
+        op.type == "ReadVariableOp" and any(op.inputs[0] is t for t in inner)
+        for op in graph.get_operations()
+    )
+
+
+def test_in_another_function_it_reads_the_state():
+    opt, var = _optimizer()
+    apply = tf.function(lambda g: opt.apply([g], [var]))
+    skipped = tf.function(opt.skipped)
+    seen = []
+    for overflow in PATTERN:
+        apply(_grad(opt, overflow))
+        seen.append(bool(skipped()))
+    assert seen == PATTERN
+    assert _reads(skipped.get_concrete_function().graph, opt.consecutive_overflows) == 1
+
+
+def test_threads_tracing_at_once_each_get_their_own_flag():
+    """Two threads trace a function each at the same time, one step overflowing and one not:
+    each flag is its own step's (a flag is kept per graph and thread)."""
+    shared, var_a, var_b = _optimizer(2)
+    barrier, seen = threading.Barrier(2), {}
+
+    def run(index, overflow):
+        var = [var_a, var_b][index]
+
+        @tf.function
+        def step():
+            barrier.wait(timeout=30)  # both traces in flight at once
+            grad = tf.constant([np.inf, 1.0, 1.0]) if overflow else tf.ones(3)
+            shared.apply([grad], [var])
+            return shared.skipped()
+
+        seen[index] = bool(step())
+
+    threads = [threading.Thread(target=run, args=(i, i == 1)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert seen == {0: False, 1: True}
+
+
+def test_under_two_replicas(two_cpu_strategy):
+    with two_cpu_strategy.scope():
+        opt, var = _optimizer()
+
+    @tf.function
+    def step(overflow):
+        def replica():
+            index = tf.distribute.get_replica_context().replica_id_in_sync_group
+            bad = tf.logical_and(overflow, tf.equal(index, 1))  # one replica's Inf skips both
+            opt.apply([tf.where(bad, tf.constant([np.inf, 1.0, 1.0]), tf.ones(3))], [var])
+            return tf.cast(opt.skipped(), tf.int32)
+
+        return two_cpu_strategy.run(replica)
+
+    for overflow in PATTERN:
+        flags = two_cpu_strategy.experimental_local_results(step(tf.constant(overflow)))
+        assert [int(f) for f in flags] == [int(overflow)] * 2
+
+
+def test_a_branch_reads_only_the_state_it_uses():
+    """With a hysteresis of 1 every overflow backs off: the tracker is not read (it becomes
+    0); with a larger hysteresis it is."""
+    assert "hysteresis_tracker" not in reads(LossScaleConfig(), False)
+    assert "hysteresis_tracker" in reads(LossScaleConfig(hysteresis=2), False)
+    assert "hysteresis_tracker" in reads(LossScaleConfig(), True)  # a growth resets it
+    state = initial_state(LossScaleConfig(initial_scale=8.0), 3)
+    state = state._replace(hysteresis_tracker=tf.constant(1, tf.int64))
+    after = next_state(LossScaleConfig(initial_scale=8.0), state, False, tf.constant(4, tf.int64))
+    assert (float(after.scale), int(after.hysteresis_tracker)) == (4.0, 0)
+
+
+@pytest.mark.parametrize("dtype", [tf.bool, tf.int64, tf.int32])
+def test_the_flags_of_an_overflow_may_be_bools_or_counts(dtype):
+    config = LossScaleConfig(initial_scale=8.0)
+    state = initial_state(config, 3)._replace(overflow_steps=tf.constant(2, tf.int64))
+    flags = tf.cast(tf.constant([False, True, True]), dtype)
+    after = next_state(config, state, False, tf.constant(6, tf.int64), flags)
+    assert after.nonfinite_steps.numpy().tolist() == [0, 1, 1]
+    assert after.last_nonfinite_step.numpy().tolist() == [-1, 8, 8]
