@@ -172,8 +172,15 @@ def test_an_epoch_with_a_skipped_step_logs_the_mean_over_the_applied_steps(kind)
     the same fit without the bad batch logs (a fixed scale: the skip changes nothing)."""
     x, y = _data(bad=(1,))
     keep = np.r_[0:BATCH, 2 * BATCH : 4 * BATCH]  # every batch but the bad one
-    histories, overflows = [], []
+    histories, overflows, batches = [], [], []
     for x_fit, y_fit in [(x, y), (x[keep], y[keep])]:
+        seen = []
+        batches.append(seen)
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs, seen=seen: seen.append(
+                (float(logs["loss"]), float(logs["mae"]))
+            )
+        )
         cls = tfmixprec.MixedPrecisionModel if kind == "MixedPrecisionModel" else keras.Model
         model = _no_dropout_model(cls)
         opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
@@ -185,7 +192,7 @@ def test_an_epoch_with_a_skipped_step_logs_the_mean_over_the_applied_steps(kind)
                 batch_size=BATCH,
                 shuffle=False,
                 verbose=0,
-                callbacks=[tfmixprec.OverflowGuard()],
+                callbacks=[tfmixprec.OverflowGuard(), record],
             ).history
         )
         overflows.append(model.optimizer.read_state()["overflow_steps"])
@@ -193,6 +200,10 @@ def test_an_epoch_with_a_skipped_step_logs_the_mean_over_the_applied_steps(kind)
     assert overflows == [1, 0]
     assert np.isfinite(skipped["loss"][0])
     assert (skipped["loss"], skipped["mae"]) == (clean["loss"], clean["mae"])
+    # the step's logs: the skipped step's are the mean so far, the others the clean fit's,
+    # and the last one is, bit for bit, what Keras's own metrics say at the epoch's end
+    assert batches[0] == [batches[1][0], batches[1][0], *batches[1][1:]]
+    assert batches[0][-1] == (skipped["loss"][0], skipped["mae"][0])
 
 
 @pytest.mark.parametrize("second", ["sgd", "keras LossScaleOptimizer"])
@@ -238,6 +249,7 @@ def test_the_logs_of_a_skipped_step_and_of_an_epoch_without_an_applied_step(kind
     x_all_bad, _ = _data(bad=(0, 1, 2, 3))
     clean = _data(bad=())
     for validation in (None, clean):  # a validation after it resets and fills the metrics
+        seen.clear()
         history = model.fit(
             x_all_bad,
             y,
@@ -245,9 +257,10 @@ def test_the_logs_of_a_skipped_step_and_of_an_epoch_without_an_applied_step(kind
             shuffle=False,
             verbose=0,
             validation_data=validation,
-            callbacks=[tfmixprec.OverflowGuard()],
+            callbacks=[tfmixprec.OverflowGuard(), record],
         ).history
         assert np.isnan(history["loss"]) and np.isnan(history["mae"])
+        assert len(seen) == 4 and np.isnan(seen).all()  # each step's logs: no step applied
         assert validation is None or np.isfinite(history["val_loss"])
 
 

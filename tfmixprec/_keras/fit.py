@@ -57,14 +57,20 @@ def tensorboard_log_dir(callback: Any, directory: str | None) -> Iterator[None]:
         callback.log_dir = log_dir
 
 
-def loss_tracker_count(model: Any) -> Any:
-    """The step count of the `Mean` behind the `loss` of `fit`'s logs, or None.
+def loss_tracker(model: Any) -> Any:
+    """The `keras.metrics.Mean` behind the `loss` of `fit`'s logs (its `total` and `count`),
+    or None.
 
     Why: Keras keeps that metric as the private `_loss_tracker`; its count says whether any
     step of the epoch was applied (after a skipped step is put back), where its result alone
     reads 0 for no step at all."""
     tracker = getattr(model, "_loss_tracker", None)
-    return getattr(tracker, "count", None)
+    return tracker if isinstance(tracker, keras.metrics.Mean) else None
+
+
+def loss_tracker_count(model: Any) -> Any:
+    """The step count of `loss_tracker(model)`, or None."""
+    return getattr(loss_tracker(model), "count", None)
 
 
 def tensorboard_batch_work(callback: Any) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec._keras.fit import STEP_COMPILES_ITSELF, loss_tracker_count, update_each_copy
+from tfmixprec._keras.fit import STEP_COMPILES_ITSELF, loss_tracker, update_each_copy
 from tfmixprec.scaling.loss_scale import read_now
 
 __all__ = ["guard_state"]
@@ -169,23 +169,43 @@ def metrics_after_guard(model: keras.Model, logs: Any, guarded: GuardedStep | No
     running means over the applied steps (a skipped step's values put back; read inside the
     block they still held its nan), and nan while no step of the epoch was applied (the mean
     of nothing, where Keras's `Mean` says 0). Keys that are not metric results stay.
-    `guarded`: what the guard yielded (the loss's step count as it put it back: no read)."""
+    `guarded`: what the guard yielded; the loss's mean is then the total over the count it
+    put back (0 / 0: nan), with no read."""
     if not isinstance(logs, dict):
         return logs
-    results = model.get_metrics_result()
-    count = loss_tracker_count(model)
-    if count is not None:  # one value, every key
-        restored = {} if guarded is None else guarded.restored
-        count = restored[id(count)] if id(count) in restored else read_now(count)
-    nothing = None if count is None else tf.equal(count, 0)
+    tracker = loss_tracker(model)
+    restored = {} if guarded is None else guarded.restored
+    results = _results_after_guard(model, tracker, restored)
+    nothing: list[tf.Tensor] = []  # whether no step of the epoch was applied, made once
     fresh = {}
     for key, value in logs.items():
         if key in results:
-            value = tf.convert_to_tensor(results[key])
-            if nothing is not None and value.dtype.is_floating:
-                value = tf.where(nothing, tf.constant(float("nan"), value.dtype), value)
+            value, put_back = results[key]
+            if not put_back and tracker is not None and value.dtype.is_floating:
+                if not nothing:
+                    count = restored.get(id(tracker.count))
+                    nothing.append(tf.equal(read_now(tracker.count) if count is None else count, 0))
+                value = tf.where(nothing[0], tf.constant(float("nan"), value.dtype), value)
         fresh[key] = value
     return fresh
+
+
+def _results_after_guard(
+    model: keras.Model, tracker: Any, restored: dict[int, tf.Tensor]
+) -> dict[str, tuple[tf.Tensor, bool]]:
+    """Each metric result (as `get_metrics_result`) and whether it is nan already where no
+    step was applied: the loss's, from the total and count the guard put back (`restored`),
+    is their quotient, 0 / 0 = nan (Keras's `Mean` divides with no nan: 0)."""
+    parts = [restored.get(id(v)) for v in (tracker.total, tracker.count)] if tracker else [None]
+    if None in parts:
+        return {k: (tf.convert_to_tensor(v), False) for k, v in model.get_metrics_result().items()}
+    results = {tracker.name: (parts[0] / tf.cast(parts[1], parts[0].dtype), True)}
+    for metric in model.metrics:
+        if metric is not tracker:
+            result = metric.result()
+            result = result if isinstance(result, dict) else {metric.name: result}
+            results.update({k: (tf.convert_to_tensor(v), False) for k, v in result.items()})
+    return results
 
 
 def mark_unapplied_epoch(model: keras.Model, logs: dict | None) -> None:
