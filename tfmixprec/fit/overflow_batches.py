@@ -246,7 +246,7 @@ class OverflowBatches:
         self._counts: tf.Variable | None = None  # `_KEPT`, `_UNFIT`, `_MISSED`
         self._unfit_seen = 0  # `_UNFIT` when the rows were last grown
         self._missed_said = 0  # `_MISSED` when last said
-        # Per slot: `last_overflow_iteration`, `overflow_steps`, the scale's bits, the shapes.
+        # Per row: `last_overflow_iteration`, `overflow_steps`, the scale's bits, the shapes.
         self._table: tf.Variable | None = None
         self._slots: list[_Slots | None] = []  # per tensor of the flattened batch
         self._spec: Any = None
@@ -277,11 +277,12 @@ class OverflowBatches:
             kept = tf.logical_and(overflowed, fits)
         else:
             updates, fits, kept = self._room_for(slots, shapes, axis), None, overflowed
-        count = tf.unstack(tf.convert_to_tensor(self._counts))[_KEPT]
+        # `_KEPT` (at index 0, `axis`) alone: one op, on the variable's device.
+        count = tf.raw_ops.ResourceGather(resource=self._counts.handle, indices=axis, dtype=tf.int64)
         row = scratch_row(count, self.limit, self.keeps_latest, vector=True)
         for (_, tensor_slots), update in zip(slots, updates):
             tensor_slots.write(row, update)
-        self._note(kept, count, shapes, optimizer, axis)
+        self._note(row, shapes, optimizer, axis)
         if fits is None:  # only kept steps to count: `_KEPT` (at index 0, `axis`) += kept
             tf.raw_ops.ResourceScatterAdd(
                 resource=self._counts.handle, indices=axis, updates=tf.cast(kept, tf.int64)
@@ -311,16 +312,11 @@ class OverflowBatches:
             tf.cond(larger, lambda: _grow_rows(growths), lambda: None)
         return [row for row, _, _ in made]
 
-    def _note(self, kept: Any, count: Any, shapes: list, optimizer: Any, axis: Any) -> None:
-        """The slots a kept step fills (the `count`-th of the first `limit`, and the newest)
-        note it in their row of the table: the optimizer's `last_overflow_iteration` and
-        `overflow_steps` (the step, as `step_number` counts it), the scale's bits, and the
-        batch's shapes. One select and one write, whichever slots."""
-        slot = np.arange(self._size)[:, np.newaxis]
-        chosen = tf.equal(tf.constant(np.where(slot < self.limit, slot, -1)), count)
-        if self.keeps_latest:
-            chosen = tf.logical_or(chosen, tf.constant(slot == self.limit))
-        chosen = tf.logical_and(chosen, kept)
+    def _note(self, row: tf.Tensor, shapes: list, optimizer: Any, axis: tf.Tensor) -> None:
+        """Notes the step beside its batch, in the same `row` of the table: the optimizer's
+        `last_overflow_iteration` and `overflow_steps` (the step, as `step_number` counts it),
+        the scale's bits, and the batch's shapes. On an overflow step they are the step's own;
+        the row is a slot's once the count moves on, as the batch's row (`scratch_row`)."""
         scale = tf.bitcast(tf.convert_to_tensor(optimizer.last_overflow_scale), tf.int32)
         numbers = [
             tf.cast(tf.convert_to_tensor(value), tf.int64)
@@ -329,7 +325,8 @@ class OverflowBatches:
         if all(isinstance(shape, np.ndarray) for shape in shapes):  # known: one constant
             shapes = [np.concatenate(shapes)]
         record = tf.concat([tf.stack(numbers), *shapes], axis)
-        self._table.assign(tf.where(chosen, record, self._table))
+        here = tf.equal(tf.constant(np.arange(self._size + 1)[:, np.newaxis]), row)
+        self._table.assign(tf.where(here, record, self._table))  # small: a few numbers a row
 
     def _ready(self, batch: Any, flat: list[Any]) -> bool:
         """Creates the variables at the first trace (a tensor each); False where the batch
@@ -364,7 +361,7 @@ class OverflowBatches:
         for x in flat:
             self._slots.append(None if x is None else _Slots(_spec_of(x), self._size, column))
             column += 0 if x is None else self._slots[-1].rank
-        self._table = replica_variable(tf.zeros([self._size, column], tf.int64))
+        self._table = replica_variable(tf.zeros([self._size + 1, column], tf.int64))  # a row each
         self._spec = spec
 
     def _cannot(self, why: str) -> bool:
@@ -474,7 +471,7 @@ class OverflowBatches:
         else:  # the newest: the row written at the last count
             count = _local(self._counts)[copy].numpy()[_KEPT] - 1
             row = int(scratch_row(tf.constant(count), self.limit, self.keeps_latest))
-        noted = _local(self._table)[copy].numpy()[slot]
+        noted = _local(self._table)[copy][row].numpy()  # that row alone
         arrays = iter([s.read(copy, row, noted[s.columns]) for s in self._slots if s is not None])
         flat = [None if s is None else next(arrays) for s in self._slots]
         batch = tuple(tf.nest.pack_sequence_as(self._spec, flat))
