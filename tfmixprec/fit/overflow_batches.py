@@ -8,13 +8,14 @@ waits for nothing: no host copy, and no branch on a device value.
   own dtype (a uint8 image stays uint8): one row a slot, the batches of the first `limit`
   overflow steps since the keeper was (re)started and, where asked for (`PrecisionRepair`),
   the newest overflow step's, and one row more. Every step writes its batch with one scatter
-  into the row no slot holds (the scratch row); on an overflow step the slots its flag
-  chooses then point to that row (a small vector of row numbers), and the row a slot left is
-  the next scratch row. A step costs one device copy of its batch, however many slots, and
-  whoever keeps.
-- The rows grow, in the step, where a batch is larger than any before: a branch decided by
-  shapes alone, which the host knows without waiting for the device. A smaller batch (a
-  ragged last batch) is padded, and its own shape kept beside it.
+  into the row no slot holds (the scratch row), and its step, scale and shapes into the same
+  row of a small table; an overflow step moves the count of kept steps on, and with it the
+  scratch row (`_scratch_row`: which row is which follows from the count alone), so the row
+  written becomes a slot's. A step costs one device copy of its batch, however many slots,
+  and whoever keeps.
+- The rows grow, in the step, where a batch is larger than any before: one branch for every
+  tensor, decided by shapes alone, which the host knows without waiting for the device. A
+  smaller batch (a ragged last batch) is padded, and its own shape kept beside it.
 - XLA compiles a variable's size into the step, so under `jit_compile=True` the keeper
   compiles the model's step with XLA itself and keeps the batch just outside it
   (`_keras.fit.make_train_function` builds Keras's train function around it without XLA).
@@ -81,7 +82,7 @@ def _padded(value: tf.Tensor, shape: tf.Tensor, have: tf.Tensor) -> tf.Tensor:
     return tf.pad(value, tf.stack([tf.zeros_like(have), shape - have], axis=1))
 
 
-def scratch_row(count: Any, limit: int, latest: bool, vector: bool = False) -> Any:
+def _scratch_row(count: Any, limit: int, latest: bool, vector: bool = False) -> Any:
     """The row no slot holds after `count` overflow steps kept (an int64 tensor, in the step
     and on the host): a step writes its batch there. Slot `s < limit` holds row `s` (written
     at count `s`); the newest overflow step's batch is the row written at count `count - 1`,
@@ -103,7 +104,7 @@ def scratch_row(count: Any, limit: int, latest: bool, vector: bool = False) -> A
 class _Slots:
     """One tensor of the batch: its rows (one a kept batch, and a scratch row), kept in the
     tensor's own dtype, and the largest shape an XLA step has seen. Which row holds which slot
-    follows from the keeper's count (`scratch_row`); the shape each slot holds is in the
+    follows from the keeper's count (`_scratch_row`); the shape each slot holds is in the
     keeper's table (`columns`). A step writes one row."""
 
     def __init__(self, spec: tf.TensorSpec, slots: int, column: int) -> None:
@@ -278,8 +279,10 @@ class OverflowBatches:
         else:
             updates, fits, kept = self._room_for(slots, shapes, axis), None, overflowed
         # `_KEPT` (at index 0, `axis`) alone: one op, on the variable's device.
-        count = tf.raw_ops.ResourceGather(resource=self._counts.handle, indices=axis, dtype=tf.int64)
-        row = scratch_row(count, self.limit, self.keeps_latest, vector=True)
+        count = tf.raw_ops.ResourceGather(
+            resource=self._counts.handle, indices=axis, dtype=tf.int64
+        )
+        row = _scratch_row(count, self.limit, self.keeps_latest, vector=True)
         for (_, tensor_slots), update in zip(slots, updates):
             tensor_slots.write(row, update)
         self._note(row, shapes, optimizer, axis)
@@ -316,7 +319,7 @@ class OverflowBatches:
         """Notes the step beside its batch, in the same `row` of the table: the optimizer's
         `last_overflow_iteration` and `overflow_steps` (the step, as `step_number` counts it),
         the scale's bits, and the batch's shapes. On an overflow step they are the step's own;
-        the row is a slot's once the count moves on, as the batch's row (`scratch_row`)."""
+        the row is a slot's once the count moves on, as the batch's row (`_scratch_row`)."""
         scale = tf.bitcast(tf.convert_to_tensor(optimizer.last_overflow_scale), tf.int32)
         numbers = [
             tf.cast(tf.convert_to_tensor(value), tf.int64)
@@ -470,7 +473,7 @@ class OverflowBatches:
             row = slot
         else:  # the newest: the row written at the last count
             count = _local(self._counts)[copy].numpy()[_KEPT] - 1
-            row = int(scratch_row(tf.constant(count), self.limit, self.keeps_latest))
+            row = int(_scratch_row(tf.constant(count), self.limit, self.keeps_latest))
         noted = _local(self._table)[copy][row].numpy()  # that row alone
         arrays = iter([s.read(copy, row, noted[s.columns]) for s in self._slots if s is not None])
         flat = [None if s is None else next(arrays) for s in self._slots]
