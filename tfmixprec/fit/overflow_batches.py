@@ -210,8 +210,8 @@ def _local(variable: Any) -> tuple:
 # and overflow steps whose batch did not fit (not kept). `fit.reader` reads them with the
 # optimizer's state, in one copy, under these names.
 _KEPT, _UNFIT, _MISSED = 0, 1, 2
-# The columns of the table, a row a slot: what the optimizer says of the step, its scale's
-# bits, then the shape of each tensor of the batch (`_Slots.columns`).
+# The columns of the table, a row beside each row of the batches: what the optimizer says of
+# the step written there, its scale's bits, then the shape of each tensor (`_Slots.columns`).
 _ITERATION, _OVERFLOWS, _SCALE, _SHAPES = 0, 1, 2, 3
 KEEPER_COUNTS = ("kept", "unfit", "missed")
 
