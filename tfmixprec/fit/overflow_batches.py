@@ -125,23 +125,25 @@ class _Slots:
 
     def room_for(self, value: tf.Tensor, shape: Any, zeros: tf.Tensor, axis: tf.Tensor) -> tuple:
         """Outside XLA: `value` (of `shape`) as the row it is written as (`[1, *room]`, zero
-        padded to the rows, or to `shape` where larger), whether the rows must grow for it
-        (per dimension), and the padding that grows them (`zeros`: a column of the rank + 1;
-        `axis`: the constant 0). Shapes alone, computed on the host: no device value, no wait
-        on a GPU."""
+        padded to the rows, or to `shape` where larger), and the padding that grows the rows
+        to hold it (nonzero where they must grow; `zeros`: a column of the rank + 1, `axis`:
+        the constant 0). Shapes alone, computed on the host: no device value, no wait on a
+        GPU."""
+        # Each shape as a padding's second column, beside `zeros` (nothing before): the room
+        # less a shape pads it to the room.
         with tf.device("/cpu:0"):
-            held = self.held()
+            held = tf.stack([zeros, self.held()], axis=1)
             if isinstance(shape, np.ndarray):  # known when tracing: one constant
-                target = tf.constant([self.rows, *shape], tf.int64)
+                target = np.stack([np.zeros(self.rank + 1, np.int64), [self.rows, *shape]], 1)
+                target = tf.constant(target, tf.int64)
             else:
                 target = tf.concat([tf.constant([self.rows], tf.int64), shape], axis)
+                target = tf.stack([zeros, target], axis=1)
             room = tf.maximum(held, target)  # the rows' dimension: theirs
-            padding = tf.stack([zeros, room - target], axis=1)
-            larger = room - held  # > 0 where the rows must grow
-            growth = tf.stack([zeros, larger], axis=1)
+            padding, growth = room - target, room - held  # growth > 0 where the rows grow
         row = tf.pad(tf.expand_dims(value, axis), padding)
         row.set_shape([1] + [None] * self.rank)  # one row: the pad of the first dimension is 0
-        return row, larger, growth
+        return row, growth
 
     def fitted_to(self, value: tf.Tensor, shape: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """Inside XLA, whose step keeps a variable's size: `value` cut or padded to the rows
@@ -304,12 +306,12 @@ class OverflowBatches:
             rank = tensor_slots.rank + 1
             if rank not in zeros:
                 zeros[rank] = tf.zeros([rank], tf.int64)
-            row, grows, growth = tensor_slots.room_for(tensor, shape, zeros[rank], axis)
+            row, growth = tensor_slots.room_for(tensor, shape, zeros[rank], axis)
             made.append((row, tensor_slots, growth))
-            larger.append(grows)
+            larger.append(growth)
         with tf.device("/cpu:0"):  # the largest growth, nonzero where the rows grow
             larger = tf.concat(larger, axis) if len(larger) > 1 else larger[0]
-            larger = tf.cast(tf.reduce_max(larger, axis), tf.bool)
+            larger = tf.cast(tf.reduce_max(larger), tf.bool)
         growths = [(tensor_slots, growth) for _, tensor_slots, growth in made]
         with tf.name_scope("keeper_rows_grow"):
             tf.cond(larger, lambda: _grow_rows(growths), lambda: None)
