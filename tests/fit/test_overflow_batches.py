@@ -14,6 +14,7 @@ from tensorflow.python.framework import ops as tf_ops
 
 import tfmixprec
 from tfmixprec._keras.fit import traced_train_functions
+from tfmixprec.fit.overflow_batches import _scratch_row
 
 WRITES = ("Tile", "ResourceScatterNdUpdate", "ResourceScatterUpdate")
 
@@ -212,3 +213,21 @@ def test_diagnose_says_which_overflows_a_full_keeper_could_not_give():
     assert len([w for w in said if "replays 1 of 2" in str(w.message)]) == 1
     assert [step for step, _ in monitor.diagnoses] == [5, 7]
     assert len(keeper.kept) == 1
+
+
+@pytest.mark.parametrize("latest", [False, True])
+@pytest.mark.parametrize("limit", [0, 1, 2, 3, 4])
+def test_the_scratch_row_is_never_a_kept_batchs(limit, latest):
+    """Which row a step writes follows from the count of kept overflow steps alone: never a
+    row a kept batch is in (the first `limit`, and the newest), and within the rows."""
+    rows = limit + int(latest) + 1
+    held = {}  # slot -> row
+    for count in range(12):
+        scratch = int(_scratch_row(np.int64(count), limit, latest))
+        assert 0 <= scratch < rows
+        assert scratch not in held.values(), (count, scratch, held)
+        assert int(_scratch_row(np.int64(count), limit, latest, vector=True)[0]) == scratch
+        if count < limit:
+            held[count] = scratch
+        if latest:
+            held["newest"] = scratch

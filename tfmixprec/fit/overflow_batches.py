@@ -8,13 +8,14 @@ waits for nothing: no host copy, and no branch on a device value.
   own dtype (a uint8 image stays uint8): one row a slot, the batches of the first `limit`
   overflow steps since the keeper was (re)started and, where asked for (`PrecisionRepair`),
   the newest overflow step's, and one row more. Every step writes its batch with one scatter
-  into the row no slot holds (the scratch row); on an overflow step the slots its flag
-  chooses then point to that row (a small vector of row numbers), and the row a slot left is
-  the next scratch row. A step costs one device copy of its batch, however many slots, and
-  whoever keeps.
-- The rows grow, in the step, where a batch is larger than any before: a branch decided by
-  shapes alone, which the host knows without waiting for the device. A smaller batch (a
-  ragged last batch) is padded, and its own shape kept beside it.
+  into the row no slot holds (the scratch row), and its step, scale and shapes into the same
+  row of a small table; an overflow step moves the count of kept steps on, and with it the
+  scratch row (`_scratch_row`: which row is which follows from the count alone), so the row
+  written becomes a slot's. A step costs one device copy of its batch, however many slots,
+  and whoever keeps.
+- The rows grow, in the step, where a batch is larger than any before: one branch for every
+  tensor, decided by shapes alone, which the host knows without waiting for the device. A
+  smaller batch (a ragged last batch) is padded, and its own shape kept beside it.
 - XLA compiles a variable's size into the step, so under `jit_compile=True` the keeper
   compiles the model's step with XLA itself and keeps the batch just outside it
   (`_keras.fit.make_train_function` builds Keras's train function around it without XLA).
@@ -71,7 +72,7 @@ class KeptBatch:
 
 def _fitted(value: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
     """`value` cut or zero-padded to `shape` (the same rank)."""
-    have = tf.shape(value)
+    have = tf.shape(value, out_type=shape.dtype)
     take = tf.minimum(have, shape)
     return _padded(tf.slice(value, tf.zeros_like(take), take), shape, take)
 
@@ -81,75 +82,86 @@ def _padded(value: tf.Tensor, shape: tf.Tensor, have: tf.Tensor) -> tf.Tensor:
     return tf.pad(value, tf.stack([tf.zeros_like(have), shape - have], axis=1))
 
 
+def _scratch_row(count: Any, limit: int, latest: bool, vector: bool = False) -> Any:
+    """The row no slot holds after `count` overflow steps kept (an int64 tensor, in the step
+    and on the host): a step writes its batch there. Slot `s < limit` holds row `s` (written
+    at count `s`); the newest overflow step's batch is the row written at count `count - 1`,
+    which from `count == limit` on alternates between rows `limit` and `limit + 1` (parity).
+    Without the newest batch, row `limit` once the first `limit` are kept. No variable says
+    which row is which: the count does, so the step reads nothing more to find it. `vector`:
+    as a vector of one index (a scatter's), by a constant of that shape (no reshape)."""
+    shape = [1] if vector else []
+    if not latest:
+        return tf.minimum(count, tf.constant(limit, tf.int64, shape))
+    parity = tf.bitwise.bitwise_and(count, tf.constant(1, tf.int64))
+    if limit % 2 == 0:  # limit + (count - limit) % 2
+        bound = tf.constant(limit, tf.int64, shape) + parity
+    else:
+        bound = tf.constant(limit + 1, tf.int64, shape) - parity
+    return tf.minimum(count, bound)
+
+
 class _Slots:
     """One tensor of the batch: its rows (one a kept batch, and a scratch row), kept in the
-    tensor's own dtype, the shape each slot holds, and the largest shape a step has seen. Which
-    row holds which slot is the keeper's (`OverflowBatches._where`): a step writes one row."""
+    tensor's own dtype, and the largest shape an XLA step has seen. Which row holds which slot
+    follows from the keeper's count (`_scratch_row`); the shape each slot holds is in the
+    keeper's table (`columns`). A step writes one row."""
 
-    def __init__(self, spec: tf.TensorSpec, slots: int) -> None:
+    def __init__(self, spec: tf.TensorSpec, slots: int, column: int) -> None:
         # The sizes the trace declares; 1 where unknown (a scatter needs a row of one value).
         known = [max(d or 1, 1) for d in spec.shape.as_list()]
         self.dtype, self.rows, self.rank = spec.dtype, slots + 1, len(known)
+        self.columns = slice(column, column + len(known))  # its shape, in the keeper's table
         self.data = replica_variable(
             tf.zeros([self.rows, *known], spec.dtype), shape=tf.TensorShape(None)
         )
-        self.shapes = replica_variable(tf.zeros([slots, len(known)], tf.int32))
-        self.wanted = replica_variable(tf.zeros([len(known)], tf.int32))
+        self.wanted = replica_variable(tf.zeros([len(known)], tf.int64))
 
     def held(self) -> tf.Tensor:
-        """The shape a row holds, from the variable's metadata: reading its value would hold
-        its buffer, and the scatter would then copy every row first (copy on write)."""
-        return tf.slice(tf.raw_ops.VariableShape(input=self.data.handle), [1], [self.rank])
+        """The rows' shape (`[rows, *row]`, int64), from the variable's metadata: reading its
+        value would hold its buffer, and the scatter would then copy every row first (copy on
+        write)."""
+        return tf.raw_ops.VariableShape(input=self.data.handle, out_type=tf.int64)
 
-    def room_for(self, shape: tf.Tensor, grow: bool) -> tuple[tf.Tensor, tf.Tensor | None]:
-        """The shape a row holds for a value of `shape` this step, and whether the value fits
-        there (None: it does). With `grow` (outside XLA) the rows grow in the step where it is
-        larger:
-        a branch decided by shapes alone, on the host (no device value: no wait on a GPU), the
-        rows copied only when they grow; inside XLA, whose step keeps a variable's size, `poll`
-        grows them between steps."""
+    def room_for(self, value: tf.Tensor, shape: Any, zeros: tf.Tensor, axis: tf.Tensor) -> tuple:
+        """Outside XLA: `value` (of `shape`) as the row it is written as (`[1, *room]`, zero
+        padded to the rows, or to `shape` where larger), and the padding that grows the rows
+        to hold it (nonzero where they must grow; `zeros`: a column of the rank + 1, `axis`:
+        the constant 0). Shapes alone, computed on the host: no device value, no wait on a
+        GPU."""
+        # Each shape as a padding's second column, beside `zeros` (nothing before): the room
+        # less a shape pads it to the room.
         with tf.device("/cpu:0"):
-            held = self.held()
-            if not grow:
-                return held, tf.reduce_all(shape <= held)
-            larger = tf.reduce_any(shape > held)
-        room = tf.maximum(held, shape)
+            held = tf.stack([zeros, self.held()], axis=1)
+            if isinstance(shape, np.ndarray):  # known when tracing: one constant
+                target = np.stack([np.zeros(self.rank + 1, np.int64), [self.rows, *shape]], 1)
+                target = tf.constant(target, tf.int64)
+            else:
+                target = tf.concat([tf.constant([self.rows], tf.int64), shape], axis)
+                target = tf.stack([zeros, target], axis=1)
+            room = tf.maximum(held, target)  # the rows' dimension: theirs
+            padding, growth = room - target, room - held  # growth > 0 where the rows grow
+        row = tf.pad(tf.expand_dims(value, axis), padding)
+        row.set_shape([1] + [None] * self.rank)  # one row: the pad of the first dimension is 0
+        return row, growth
 
-        def make_room() -> tf.Tensor:
-            rows = tf.convert_to_tensor(self.data)
-            self.data.assign(_padded(rows, tf.concat([[self.rows], room], 0), tf.shape(rows)))
-            return tf.constant(True)
+    def fitted_to(self, value: tf.Tensor, shape: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """Inside XLA, whose step keeps a variable's size: `value` cut or padded to the rows
+        (`[1, *row]`), and whether it fits there; the largest shape seen is noted for `poll`,
+        which grows the rows between steps."""
+        with tf.device("/cpu:0"):
+            held = tf.slice(self.held(), [1], [self.rank])
+            fits = tf.reduce_all(tf.less_equal(shape, held))
+        self.wanted.assign(tf.maximum(self.wanted, shape))
+        return tf.expand_dims(_fitted(value, held), 0), fits
 
-        with tf.name_scope("keeper_rows_grow"):
-            tf.cond(larger, make_room, lambda: tf.constant(False))
-        return room, None
-
-    def write(
-        self,
-        value: tf.Tensor,
-        shape: tf.Tensor,
-        room: tf.Tensor,
-        row: tf.Tensor,
-        chosen: tf.Tensor,
-        cut: bool,
-    ) -> list:
-        """Writes `value` (of `shape`) into `row` (a vector of one index: the scratch row),
-        zero-padded to `room` (and `cut` to it, where it may be larger), and its shape into the
-        `chosen` slots (a column); notes its shape. One row a step: the device copies the batch
-        once."""
-        fitted = _fitted(value, room) if cut else _padded(value, room, shape)
+    def write(self, row: tf.Tensor, update: tf.Tensor) -> None:
+        """`update` (`[1, *row]`) into `row` (a vector of one index: the scratch row). One row
+        a step: the device copies the batch once."""
         # The op itself: a sync-on-read variable has no `scatter_update` in replica context,
         # where its `handle` is this replica's copy's. `ResourceScatterUpdate` has a kernel
         # for every dtype on CPUs and GPUs (bool and the narrow integers included).
-        return [
-            tf.raw_ops.ResourceScatterUpdate(
-                resource=self.data.handle,
-                indices=row,
-                updates=tf.expand_dims(fitted, 0),
-            ),
-            self.shapes.assign(tf.where(chosen, tf.expand_dims(shape, 0), self.shapes)),
-            self.wanted.assign(tf.maximum(self.wanted, shape)),
-        ]
+        tf.raw_ops.ResourceScatterUpdate(resource=self.data.handle, indices=row, updates=update)
 
     def grow(self) -> bool:
         """Between steps: every copy's rows grown to the largest shape any replica saw."""
@@ -171,11 +183,23 @@ class _Slots:
         for copy in _local(self.wanted):
             copy.assign(tf.zeros_like(copy))
 
-    def read(self, copy: int, slot: int, row: int) -> np.ndarray:
-        """Slot `slot` of replica `copy`, held in `row`: only its values copied to the host."""
-        shape = _local(self.shapes)[copy].numpy()[slot]
+    def read(self, copy: int, row: int, shape: np.ndarray) -> np.ndarray:
+        """Replica `copy`'s batch of `shape` held in `row`: only its values copied to the host."""
         data = _local(self.data)[copy]
         return tf.slice(data, [row] + [0] * len(shape), [1, *shape])[0].numpy()
+
+
+def _shape(value: tf.Tensor) -> Any:
+    """`value`'s shape (int64): NumPy where known when tracing (no op), else a tensor."""
+    if value.shape.is_fully_defined():
+        return np.array(value.shape.as_list(), np.int64)
+    return tf.shape(value, out_type=tf.int64)
+
+
+def _grow_rows(growths: list[tuple[Any, tf.Tensor]]) -> None:
+    """The rows of each `(slots, padding)` padded (where they grow, by 0 elsewhere)."""
+    for slots, padding in growths:
+        slots.data.assign(tf.pad(tf.convert_to_tensor(slots.data), padding))
 
 
 def _local(variable: Any) -> tuple:
@@ -188,6 +212,9 @@ def _local(variable: Any) -> tuple:
 # and overflow steps whose batch did not fit (not kept). `fit.reader` reads them with the
 # optimizer's state, in one copy, under these names.
 _KEPT, _UNFIT, _MISSED = 0, 1, 2
+# The columns of the table, a row beside each row of the batches: what the optimizer says of
+# the step written there, its scale's bits, then the shape of each tensor (`_Slots.columns`).
+_ITERATION, _OVERFLOWS, _SCALE, _SHAPES = 0, 1, 2, 3
 KEEPER_COUNTS = ("kept", "unfit", "missed")
 
 
@@ -222,9 +249,8 @@ class OverflowBatches:
         self._counts: tf.Variable | None = None  # `_KEPT`, `_UNFIT`, `_MISSED`
         self._unfit_seen = 0  # `_UNFIT` when the rows were last grown
         self._missed_said = 0  # `_MISSED` when last said
-        self._steps: tf.Variable | None = None  # per slot: the step, and its scale
-        self._where: tf.Variable | None = None  # per slot: the row that holds it
-        self._scales: tf.Variable | None = None
+        # Per row: `last_overflow_iteration`, `overflow_steps`, the scale's bits, the shapes.
+        self._table: tf.Variable | None = None
         self._slots: list[_Slots | None] = []  # per tensor of the flattened batch
         self._spec: Any = None
         self._lock = threading.Lock()  # replicas trace in threads
@@ -235,47 +261,77 @@ class OverflowBatches:
 
     # ------------------------------------------------------------ in the step
     def keep_if_overflow(self, data: Any, overflowed: tf.Tensor, optimizer: Any) -> None:
-        """In the step, after `apply`: writes the batch into the slots of an overflow step
-        (the next of the first `limit`, and the newest), with its scale and step, or into the
-        scratch row on a clean step. No host copy, and no branch on a device value: outside XLA
-        the rows grow in the step where the batch is larger (a branch on shapes, decided on
-        the host); inside XLA, whose step keeps a variable's size, `poll` grows them."""
+        """In the step, after `apply`: writes the batch into the scratch row, and on an
+        overflow step the slots it fills (the next of the first `limit`, and the newest) note
+        it in the table, with its scale and step. No host copy, and no branch on a device
+        value: outside XLA the rows grow in the step where the batch is larger (one branch on
+        shapes, decided on the host); inside XLA, whose step keeps a variable's size, `poll`
+        grows them."""
         batch = keras.utils.unpack_x_y_sample_weight(data)
         flat = tf.nest.flatten(batch)
         if not self._ready(batch, flat):
             return
         slots = [(x, s) for x, s in zip(flat, self._slots) if s is not None]
-        grow = not in_xla_context()
-        shapes = [tf.shape(tensor) for tensor, _ in slots]
-        rooms = [slot.room_for(shape, grow) for shape, (_, slot) in zip(shapes, slots)]
-        # Outside XLA the rows have grown to hold the batch; inside, it may not fit.
-        fits = None if grow else tf.reduce_all(tf.stack([fit for _, fit in rooms]))
-        kept = overflowed if fits is None else tf.logical_and(overflowed, fits)
-        count = tf.slice(tf.convert_to_tensor(self._counts), [_KEPT], [1])
-        # The batch goes into the row no slot holds (the scratch row), once; an overflow
-        # step's slots then point to that row (the next of the first `limit`, and the newest).
-        # Which slot is which is known when tracing: constants, not ops.
-        where = tf.convert_to_tensor(self._where)
-        taken = tf.constant(np.arange(self._size + 1)[:, np.newaxis]) == where
-        scratch = tf.argmin(tf.cast(tf.reduce_any(taken, axis=1), tf.int32), output_type=tf.int64)
-        slot = np.arange(self._size)
-        chosen = kept & (tf.constant(slot) == count) & tf.constant(slot < self.limit)
-        if self.keeps_latest:
-            chosen = tf.logical_or(chosen, tf.logical_and(kept, tf.constant(slot == self.limit)))
-        row, column = tf.reshape(scratch, [1]), tf.expand_dims(chosen, 1)
-        for (tensor, tensor_slots), shape, (room, fit) in zip(slots, shapes, rooms):
-            tensor_slots.write(tensor, shape, room, row, column, cut=fit is not None)
-        self._where.assign(tf.where(chosen, scratch, where))
-        step = tf.cast(optimizer.last_overflow_step(), tf.int64)
-        scale = tf.cast(optimizer.last_overflow_scale, tf.float32)
-        self._steps.assign(tf.where(chosen, step, self._steps))
-        self._scales.assign(tf.where(chosen, scale, self._scales))
-        if fits is None:  # kept, unfit, missed
-            added = tf.cast(kept, tf.int64) * tf.constant([1, 0, 0], tf.int64)
+        shapes = [_shape(tensor) for tensor, _ in slots]
+        axis = tf.constant(0)  # one constant for every axis 0
+        if in_xla_context():  # the rows as they are: the batch may not fit
+            updates, fits = zip(*[s.fitted_to(x, n) for (x, s), n in zip(slots, shapes)])
+            fits = tf.reduce_all(tf.stack(fits))
+            kept = tf.logical_and(overflowed, fits)
         else:
+            updates, fits, kept = self._room_for(slots, shapes, axis), None, overflowed
+        # `_KEPT` (at index 0, `axis`) alone: one op, on the variable's device.
+        count = tf.raw_ops.ResourceGather(
+            resource=self._counts.handle, indices=axis, dtype=tf.int64
+        )
+        row = _scratch_row(count, self.limit, self.keeps_latest, vector=True)
+        for (_, tensor_slots), update in zip(slots, updates):
+            tensor_slots.write(row, update)
+        self._note(row, shapes, optimizer, axis)
+        if fits is None:  # only kept steps to count: `_KEPT` (at index 0, `axis`) += kept
+            tf.raw_ops.ResourceScatterAdd(
+                resource=self._counts.handle, indices=axis, updates=tf.cast(kept, tf.int64)
+            )
+        else:  # kept, unfit, missed
             unfit = tf.logical_not(fits)
             added = tf.cast(tf.stack([kept, unfit, tf.logical_and(overflowed, unfit)]), tf.int64)
-        self._counts.assign_add(added)
+            self._counts.assign_add(added)
+
+    def _room_for(self, slots: list, shapes: list, axis: tf.Tensor) -> list[tf.Tensor]:
+        """Outside XLA: each tensor as the row it is written as, the rows grown first where
+        the batch is larger than they are (one branch for every tensor, on shapes alone)."""
+        zeros: dict[int, tf.Tensor] = {}  # one constant a rank
+        made, larger = [], []
+        for (tensor, tensor_slots), shape in zip(slots, shapes):
+            rank = tensor_slots.rank + 1
+            if rank not in zeros:
+                zeros[rank] = tf.zeros([rank], tf.int64)
+            row, growth = tensor_slots.room_for(tensor, shape, zeros[rank], axis)
+            made.append((row, tensor_slots, growth))
+            larger.append(growth)
+        with tf.device("/cpu:0"):  # the largest growth, nonzero where the rows grow
+            larger = tf.concat(larger, axis) if len(larger) > 1 else larger[0]
+            larger = tf.cast(tf.reduce_max(larger), tf.bool)
+        growths = [(tensor_slots, growth) for _, tensor_slots, growth in made]
+        with tf.name_scope("keeper_rows_grow"):
+            tf.cond(larger, lambda: _grow_rows(growths), lambda: None)
+        return [row for row, _, _ in made]
+
+    def _note(self, row: tf.Tensor, shapes: list, optimizer: Any, axis: tf.Tensor) -> None:
+        """Notes the step beside its batch, in the same `row` of the table: the optimizer's
+        `last_overflow_iteration` and `overflow_steps` (the step, as `step_number` counts it),
+        the scale's bits, and the batch's shapes. On an overflow step they are the step's own;
+        the row is a slot's once the count moves on, as the batch's row (`_scratch_row`)."""
+        scale = tf.bitcast(tf.convert_to_tensor(optimizer.last_overflow_scale), tf.int32)
+        numbers = [
+            tf.cast(tf.convert_to_tensor(value), tf.int64)
+            for value in (optimizer.last_overflow_iteration, optimizer.overflow_steps, scale)
+        ]
+        if all(isinstance(shape, np.ndarray) for shape in shapes):  # known: one constant
+            shapes = [np.concatenate(shapes)]
+        record = tf.concat([tf.stack(numbers), *shapes], axis)
+        here = tf.equal(tf.constant(np.arange(self._size + 1)[:, np.newaxis]), row)
+        self._table.assign(tf.where(here, record, self._table))  # small: a few numbers a row
 
     def _ready(self, batch: Any, flat: list[Any]) -> bool:
         """Creates the variables at the first trace (a tensor each); False where the batch
@@ -306,10 +362,11 @@ class OverflowBatches:
     def _create(self, spec: Any, flat: list[Any]) -> None:
         self._counts = replica_variable(tf.zeros([3], tf.int64))
         self._unfit_seen = self._missed_said = 0
-        self._steps = replica_variable(tf.fill([self._size], tf.constant(-1, tf.int64)))
-        self._where = replica_variable(tf.range(self._size, dtype=tf.int64))  # a slot's row
-        self._scales = replica_variable(tf.zeros([self._size], tf.float32))
-        self._slots = [None if x is None else _Slots(_spec_of(x), self._size) for x in flat]
+        self._slots, column = [], _SHAPES
+        for x in flat:
+            self._slots.append(None if x is None else _Slots(_spec_of(x), self._size, column))
+            column += 0 if x is None else self._slots[-1].rank
+        self._table = replica_variable(tf.zeros([self._size + 1, column], tf.int64))  # a row each
         self._spec = spec
 
     def _cannot(self, why: str) -> bool:
@@ -403,7 +460,7 @@ class OverflowBatches:
     def forget(self) -> None:
         """Drops the slots: the next traced step makes them again (for another `limit`, the
         newest batch or another batch structure), and keeps from there."""
-        self._counts = self._steps = self._scales = self._spec = self._where = None
+        self._counts = self._table = self._spec = None
         self._slots, self.unkept, self.stale = [], None, False
 
     def restart(self) -> None:
@@ -414,13 +471,20 @@ class OverflowBatches:
             self._unfit_seen = self._missed_said = 0
 
     def _read(self, copy: int, slot: int) -> KeptBatch:
-        row = int(_local(self._where)[copy].numpy()[slot])
-        arrays = iter([s.read(copy, slot, row) for s in self._slots if s is not None])
+        if slot < self.limit:
+            row = slot
+        else:  # the newest: the row written at the last count
+            count = _local(self._counts)[copy].numpy()[_KEPT] - 1
+            row = int(_scratch_row(tf.constant(count), self.limit, self.keeps_latest))
+        noted = _local(self._table)[copy][row].numpy()  # that row alone
+        arrays = iter([s.read(copy, row, noted[s.columns]) for s in self._slots if s is not None])
         flat = [None if s is None else next(arrays) for s in self._slots]
         batch = tuple(tf.nest.pack_sequence_as(self._spec, flat))
-        step = int(_local(self._steps)[copy].numpy()[slot])
-        scale = float(_local(self._scales)[copy].numpy()[slot])
-        return KeptBatch(step, scale, batch)
+        iteration, overflows = int(noted[_ITERATION]), int(noted[_OVERFLOWS])
+        scale = float(noted[_SCALE : _SCALE + 1].astype(np.int32).view(np.float32)[0])
+        # The step as `loss_scale.step_number` counts it: applied steps before it, and
+        # overflow steps before it.
+        return KeptBatch(iteration + overflows - 1, scale, batch)
 
     def release(self) -> None:
         """Between fits (a dormant keeper): the rows back to one value each, so no device
