@@ -566,12 +566,9 @@ def _keeping(model: Any, keeper: OverflowBatches) -> Callable[[Any], Callable]:
             else:
                 logs = step(data)
             optimizer = model.optimizer  # read while tracing: the adopted one, if adopted
-            overflow = logs.get("overflow") if isinstance(logs, dict) else None
-            if overflow is None:  # Keras's own train_step: the optimizer's flag, in the graph
-                skipped = optimizer.skipped()
-            else:
-                skipped = overflow > 0
-            keeper.keep_if_overflow(data, skipped, optimizer)
+            # The optimizer's flag (its finite check's, where that ran in this graph), not a
+            # log: a step may log an "overflow" of its own.
+            keeper.keep_if_overflow(data, optimizer.skipped(), optimizer)
             return logs
 
         # The state guard wraps a step once: the keeping wrapper says whether what it wraps
