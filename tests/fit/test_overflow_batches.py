@@ -21,11 +21,13 @@ WRITES = ("Tile", "ResourceScatterNdUpdate", "ResourceScatterUpdate")
 
 def _writes(graph, seen=None):
     """The ops of a traced step (and the functions it calls) that copy rows of the batch:
-    `(op type, rows written)`, the rows from the static shape of what is written."""
+    `(op type, rows written)`, the rows from the static shape of what is written (the
+    keeper's record of the step, a few numbers into its table, is no copy of the batch)."""
     seen = set() if seen is None else seen
     found = []
     for op in graph.get_operations():
-        if op.type in WRITES and "gradient_tape" not in op.name:
+        skip = "gradient_tape" in op.name or "keeper_record" in op.name
+        if op.type in WRITES and not skip:
             written = op.outputs[0] if op.type == "Tile" else op.inputs[2]
             found.append((op.type, written.shape[0]))
         for attr in ("f", "then_branch", "else_branch"):

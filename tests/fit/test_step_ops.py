@@ -54,9 +54,9 @@ CASES = [
 REACHED = {
     ("MixedPrecisionModel", "none"): 1.207,
     ("MixedPrecisionModel", "monitor"): 1.207,
-    ("MixedPrecisionModel", "every"): 1.383,
-    ("optimizer", "every"): 1.346,
-    ("adopted", "every"): 1.346,
+    ("MixedPrecisionModel", "every"): 1.374,
+    ("optimizer", "every"): 1.337,
+    ("adopted", "every"): 1.337,
 }
 _COUNTED: dict = {}
 

@@ -330,8 +330,13 @@ class OverflowBatches:
         if all(isinstance(shape, np.ndarray) for shape in shapes):  # known: one constant
             shapes = [np.concatenate(shapes)]
         record = tf.concat([tf.stack(numbers), *shapes], axis)
-        here = tf.equal(tf.constant(np.arange(self._size + 1)[:, np.newaxis]), row)
-        self._table.assign(tf.where(here, record, self._table))  # small: a few numbers a row
+        # Into `row` alone, as the batch: a sync-on-read variable's own copy (its `handle`).
+        tf.raw_ops.ResourceScatterUpdate(
+            resource=self._table.handle,
+            indices=row,
+            updates=tf.expand_dims(record, axis),
+            name="keeper_record",
+        )
 
     def _ready(self, batch: Any, flat: list[Any]) -> bool:
         """Creates the variables at the first trace (a tensor each); False where the batch
