@@ -4,10 +4,7 @@ start-up lines, the console's warning lines) it runs as a user runs it, in a sub
 (`run`); elsewhere `tfmixprec.tools.cli.main` runs it in this process (`run_here`), which
 checks that it leaves the process as it found it."""
 
-import contextlib
-import io
 import json
-import logging
 import os
 import re
 import statistics
@@ -20,6 +17,7 @@ from pathlib import Path
 import keras
 import pytest
 import tensorflow as tf
+from cli_runs import run_here
 from live_tensorboard import get_json
 
 import tfmixprec
@@ -43,55 +41,6 @@ def run(*args, cwd=None, timeout=300):
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
     )
     return result.returncode, result.stdout, result.stderr
-
-
-def _process_globals():
-    """What a command run in this process could leave changed: the global policy and floatx,
-    grappler's options, tfmixprec's CPU routes, Python's warning filters and format, the log
-    levels (Python's, TensorFlow's, absl's, TensorFlow's C++ variable), `sys.path` and the
-    current folder."""
-    import absl.logging
-
-    return (
-        keras.config.dtype_policy().name,
-        keras.config.floatx(),
-        tf.config.optimizer.get_experimental_options(),
-        tfmixprec.cpu_float16.status(),
-        tfmixprec.cpu_bfloat16.status(),
-        list(warnings.filters),
-        warnings.formatwarning,
-        logging.getLogger().level,
-        tf.get_logger().level,
-        absl.logging.get_verbosity(),
-        os.environ.get("TF_CPP_MIN_LOG_LEVEL"),
-        list(sys.path),
-        os.getcwd(),
-    )
-
-
-def run_here(*args, cwd=None):
-    """`tfmixprec args...` run in this process by `tfmixprec.tools.cli.main` from `cwd`: its
-    exit code (a usage error's too), stdout and stderr, each Python warning it raised at the
-    end of stderr as the console script writes it (one line); and the process as it was."""
-    from _tfmixprec_cli import _format_warning
-    from tfmixprec.tools.cli import main
-
-    out, err, folder = io.StringIO(), io.StringIO(), os.getcwd()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # every warning, where the console shows a place's first
-        before = _process_globals()
-        try:
-            os.chdir(cwd or folder)
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = main(list(args))
-        except SystemExit as exit_:
-            code = exit_.code
-        finally:
-            os.chdir(folder)
-        after = _process_globals()  # the warning filters too, before the block restores them
-    assert after == before, f"tfmixprec {' '.join(args)} changed the process"
-    shown = "".join(_format_warning(w.message, w.category, w.filename, w.lineno) for w in caught)
-    return code, out.getvalue(), err.getvalue() + shown
 
 
 def test_console_script_is_installed():
@@ -1006,13 +955,17 @@ def test_start_tensorflow_keeps_a_users_log_level(monkeypatch, users, expected):
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == expected
 
 
+def _remapping():
+    return tf.config.optimizer.get_experimental_options().get("remapping", True)
+
+
 @pytest.mark.parametrize(
     "change",
     [
         lambda: keras.config.set_dtype_policy("mixed_bfloat16"),
         lambda: warnings.simplefilter("ignore"),
         lambda: tf.get_logger().setLevel("ERROR"),
-        lambda: tf.config.optimizer.set_experimental_options({"remapping": False}),
+        lambda: tf.config.optimizer.set_experimental_options({"remapping": not _remapping()}),
     ],
     ids=["policy", "warning-filter", "log-level", "grappler"],
 )
