@@ -3,23 +3,17 @@ raises in every training call, because its own code mixes dtypes (KerasHub's MoE
 under mixed_float16), fails the audit with a `dtype-clash` error naming the layer and the fix
 `calibrate` finds; clean models stay error-free; the model is left as it was."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from cli_runs import run_here
 from overflow_models import tiny_moe
 
 import tfmixprec
 from tfmixprec._common.layers import iter_layers
 
 keras_hub = pytest.importorskip("keras_hub")
-
-SCRIPT = Path(sys.executable).parent / "tfmixprec"
 
 
 class Gate(keras.layers.Layer):
@@ -146,15 +140,9 @@ def test_clean_models_stay_error_free():
 
 
 def _audit_command(path):
-    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "tfmixprec"]
-    done = subprocess.run(
-        command + ["audit", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
-    return done.returncode, done.stdout
+    """`tfmixprec audit path`, run in this process (`run_here`): its exit code and output."""
+    code, out, _ = run_here("audit", str(path))
+    return code, out
 
 
 def test_the_audit_command_fails_a_saved_moe_decoder(tmp_path):

@@ -3,18 +3,12 @@
 one one-hot rows, a binary one 0/1; a loss that refuses the made-up targets is one line that
 says how to fix it."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import keras
 import numpy as np
 import pytest
+from cli_runs import run_here
 
 from tfmixprec.tools import bench
-
-SCRIPT = Path(sys.executable).parent / "tfmixprec"
 
 
 def _classifier(loss, units=5, activation="softmax"):
@@ -122,17 +116,10 @@ def custom():
 
 
 def _bench(folder, function):
-    command = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "tfmixprec"]
+    """`tfmixprec bench` on `models.py:function` in `folder`, run in this process (`run_here`:
+    the command, not its process, is what these tests check)."""
     args = ["bench", "--model", f"models.py:{function}", "--steps", "2", "--repeats", "1"]
-    result = subprocess.run(
-        command + args + ["--policies", "float32"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=folder,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
-    return result.returncode, result.stdout, result.stderr
+    return run_here(*args, "--policies", "float32", cwd=folder)
 
 
 @pytest.mark.parametrize("function", ["sparse", "sparse_logits", "binary"])

@@ -1,17 +1,18 @@
 """Smoke runs of the benchmark scripts at tiny sizes: they keep working. No timing is asserted.
-The scripts on KerasHub's models are in `test_benchmarks_zoo.py` (two files, so that
-pytest-xdist's `--dist loadfile` runs them in both processes)."""
+Each runs in this process (`benchmark_runs.run_here`), `multi_worker.py` in its own (it sets
+threads and starts workers). The scripts on KerasHub's models are in `test_benchmarks_zoo.py`
+(two files, so that pytest-xdist's `--dist loadfile` runs them in both processes)."""
 
 import re
 
 import pytest
-from benchmark_runs import run
+from benchmark_runs import run, run_here
 
 import tfmixprec
 
 
 def test_overhead_smoke():
-    out = run(
+    out = run_here(
         "overhead.py",
         "--steps",
         "4",
@@ -34,7 +35,7 @@ def test_overhead_smoke():
 
 
 def test_speedup_smoke():
-    out = run(
+    out = run_here(
         "speedup.py",
         "--models",
         "mlp",
@@ -57,19 +58,19 @@ def test_speedup_smoke():
 
 
 def test_parity_smoke():
-    out = run("parity.py", "--quick", "--tasks", "underflow", "--train-size", "256")
+    out = run_here("parity.py", "--quick", "--tasks", "underflow", "--train-size", "256")
     assert "| underflow | float32 | fp16 no scaling | fp16 fixed 128 | fp16 dynamic | bf16 |" in out
     assert "| test accuracy (mean ± sd over seeds) |" in out
     assert "| final loss scale | 1 | n/a | 128 | " in out
 
 
 def test_step_ops_smoke():
-    out = run("step_ops.py", "--variables", "2", "--calls", "3", "--repeats", "1")
+    out = run_here("step_ops.py", "--variables", "2", "--calls", "3", "--repeats", "1")
     assert out.count("top level +") == 2 and "tfmixprec  ops:" in out
 
 
 def test_cpu_kernels_smoke():
-    out = run("cpu_kernels.py", "--size", "32", "--repeats", "1", "--steps", "1")
+    out = run_here("cpu_kernels.py", "--size", "32", "--repeats", "1", "--steps", "1")
     assert "remapper on (default): ms per call (x float32)" in out
     assert "remapper off: ms per call (x float32)" in out
     ops = (
@@ -91,7 +92,7 @@ def test_cpu_kernels_smoke():
 
 
 def test_diagnosis_names_every_case():
-    out = run("diagnosis.py")
+    out = run_here("diagnosis.py")
     verdicts = [line for line in out.splitlines() if line.startswith("## ")]
     assert len(verdicts) == 4
     assert all(line.endswith("[OK]") for line in verdicts), verdicts
@@ -135,7 +136,7 @@ def test_step_losses_needs_one_call_per_step():
 
 
 def test_repair_smoke():
-    out = run("repair.py", "--quick", "--models", "gelu-regression")
+    out = run_here("repair.py", "--quick", "--models", "gelu-regression")
     assert "| gelu-regression | f16 keras | " in out and "| 8 of 8 | - | - |" in out
     repaired = (
         r"\| gelu-regression \| f16 repair \| [\d.]+ \| [\d.]+% \| 5 of 8 \| 1 \| `dense_0` \|"
@@ -145,7 +146,7 @@ def test_repair_smoke():
 
 
 def test_float8_quality_smoke():
-    out = run("float8_quality.py", "--models", "mlp", "--steps", "4")
+    out = run_here("float8_quality.py", "--models", "mlp", "--steps", "4")
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| mlp")]
     assert [(row[1], row[2]) for row in rows] == [
         ("bfloat16", "0"),
@@ -153,7 +154,7 @@ def test_float8_quality_smoke():
         ("model.quantize", "3"),
     ]
     assert rows[0][4] == "+0.0%" and all(float(row[3]) > 0 for row in rows)
-    out = run("float8_quality.py", "--growth", "--steps", "7")
+    out = run_here("float8_quality.py", "--growth", "--steps", "7")
     steps = [line.split(" | ") for line in out.splitlines() if re.match(r"\| \d", line)]
     assert [int(row[0][2:]) for row in steps] == list(range(1, 8))
     assert [row[1] for row in steps] == ["1024"] * 4 + ["2048"] * 3  # grows after 5 steps

@@ -1,15 +1,16 @@
 """Smoke runs of the benchmark scripts that build KerasHub's models, at their tiny sizes: they
-keep working. No timing is asserted. The other scripts are in `test_benchmarks.py` (two files,
-so that pytest-xdist's `--dist loadfile` runs them in both processes)."""
+keep working, run in this process (`benchmark_runs.run_here`). No timing is asserted. The other
+scripts are in `test_benchmarks.py` (two files, so that pytest-xdist's `--dist loadfile` runs
+them in both processes)."""
 
 import re
 
 import pytest
-from benchmark_runs import run
+from benchmark_runs import run_here
 
 
 def test_softmax_precision_smoke():
-    out = run("softmax_precision.py", "--quick")
+    out = run_here("softmax_precision.py", "--quick")
     assert "| float16 | 64 | 4 | " in out and "| bfloat16 | 64 | 4 | " in out
     assert "| mixed_float16 | float32 (Softmax dtype='float32') | " in out
     assert "GPT-2 (1 layer, hidden 32, 4 heads, dropout 0.1, sequence 16, batch 8, " in out
@@ -17,7 +18,7 @@ def test_softmax_precision_smoke():
 
 def test_zoo_smoke():
     stacks = ("float32", "bf16 tfmixprec", "f16 tfmixprec")
-    out = run("zoo.py", "--quick", "--models", "gpt2", "--stacks", *stacks)
+    out = run_here("zoo.py", "--quick", "--models", "gpt2", "--stacks", *stacks)
     assert "| gpt2 | float32 | " in out and " | 1.00x | " in out
     for stack in stacks[1:]:
         row = rf"\| gpt2 \| {stack} \| [\d.]+ \| [\d.]+x \| \d+ \| \d\.\de[-+]\d\d"
@@ -27,7 +28,7 @@ def test_zoo_smoke():
 
 def test_gpu_check_smoke():
     pytest.importorskip("keras_hub")
-    out = run("gpu_check.py", "--smoke")
+    out = run_here("gpu_check.py", "--smoke")
     header = r"^device: .+; TensorFlow [\d.]+, Keras [\d.]+; zoo size tiny: gpt2 .+; vit "
     assert re.search(header, out, re.M), out
     rows = {}
@@ -56,7 +57,7 @@ def test_op_profile_smoke():
     GPT-2 once per stack)."""
     pytest.importorskip("keras_hub")
     stacks = ["float32", "bf16 keras", "bf16 tfmixprec", "bf16 elementwise", "bf16 adopted"]
-    out = run(
+    out = run_here(
         "op_profile.py", "--quick", "--model", "gpt2", "--stacks", *stacks,
         "--paired", "2", "--versus", "bf16 tfmixprec",
     )  # fmt: skip

@@ -1,4 +1,8 @@
-"""The `tfmixprec` command, run as a user runs it: a subprocess, exit codes, key output."""
+"""The `tfmixprec` command: exit codes, key output. Where the process is what a test checks
+(the exit code the shell sees, the console script, `python -m`, help without TensorFlow,
+start-up lines, the console's warning lines) it runs as a user runs it, in a subprocess
+(`run`); elsewhere `tfmixprec.tools.cli.main` runs it in this process (`run_here`), which
+checks that it leaves the process as it found it."""
 
 import json
 import os
@@ -6,12 +10,14 @@ import re
 import statistics
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
 import keras
 import pytest
 import tensorflow as tf
+from cli_runs import run_here
 from live_tensorboard import get_json
 
 import tfmixprec
@@ -42,12 +48,12 @@ def test_console_script_is_installed():
 
 
 def test_doctor():
-    code, out, _ = run("doctor")
+    code, out, _ = run_here("doctor")
     assert code == 0
     assert out.startswith("tfmixprec doctor")
     assert re.search(r"recommended\s+(mixed_float16|mixed_bfloat16|float32): ", out)
     routes_line = next(line for line in out.splitlines() if "float16 routes" in line)
-    code, out, _ = run("doctor", "--json")
+    code, out, _ = run_here("doctor", "--json")
     data = json.loads(out)
     assert code == 0 and data["recommended_policy"] in (
         "mixed_float16",
@@ -102,10 +108,10 @@ def saved_models(tmp_path_factory):
 
 
 def test_audit_exit_codes(saved_models):
-    code, out, _ = run("audit", str(saved_models / "bad.keras"))
+    code, out, _ = run("audit", str(saved_models / "bad.keras"))  # the code the shell sees
     assert code == 1
     assert "ERROR   low-precision-softmax" in out
-    code, out, _ = run("audit", str(saved_models / "clean.keras"))
+    code, out, _ = run_here("audit", str(saved_models / "clean.keras"))
     assert code == 0, out
     assert "ERROR" not in out and "WARNING" not in out
     hardware = tfmixprec.detect_hardware()
@@ -113,17 +119,18 @@ def test_audit_exit_codes(saved_models):
     # AVX512_FP16 (with it they run natively and nothing is routed: nothing to say).
     routed = not hardware.gpus and not hardware.cpu_float16
     assert ("INFO    cpu-float16-kernels" in out) is routed
-    code, out, _ = run("audit", str(saved_models / "float32.keras"))
+    code, out, _ = run_here("audit", str(saved_models / "float32.keras"))
     assert code == 0
-    code, out, _ = run("audit", str(saved_models / "float32.keras"), "--policy", "mixed_float16")
+    args = ("audit", str(saved_models / "float32.keras"), "--policy", "mixed_float16")
+    code, out, _ = run_here(*args)
     assert code == 1 and "low-precision-output" in out
-    code, out, _ = run("audit", str(saved_models / "bad.keras"), "--json")
+    code, out, _ = run_here("audit", str(saved_models / "bad.keras"), "--json")
     assert code == 1 and json.loads(out)["ok"] is False
 
 
 @pytest.mark.parametrize("name", ["keras_scaled.keras", "legacy.h5"])
 def test_audit_of_a_file_agrees_with_the_model_in_memory(saved_models, name):
-    code, out, err = run("audit", str(saved_models / name), "--json")
+    code, out, err = run_here("audit", str(saved_models / name), "--json")
     assert code == 0, out + err
     assert "Skipping variable loading" not in err
     with tfmixprec.policy_scope("mixed_float16"):
@@ -135,7 +142,7 @@ def test_audit_of_a_file_agrees_with_the_model_in_memory(saved_models, name):
 
 
 def test_audit_never_runs_a_files_code(saved_models):
-    code, out, err = run("audit", str(saved_models / "code.keras"))
+    code, out, err = run_here("audit", str(saved_models / "code.keras"))
     assert code == 2 and out == ""
     assert "holds code: layer 'payload' (Lambda) is a Python lambda stored as bytecode" in err
     assert "tfmixprec.audit(keras.models.load_model(path, safe_mode=False))" in err
@@ -152,7 +159,7 @@ def test_audit_never_runs_a_files_code(saved_models):
     ],
 )
 def test_audit_bad_files(saved_models, name, message):
-    code, out, err = run("audit", str(saved_models / name))
+    code, out, err = run_here("audit", str(saved_models / name))
     assert code == 2
     assert message in err and name in err
     assert "Traceback" not in err and out == ""
@@ -179,7 +186,7 @@ def test_bad_arguments_are_usage_errors(args, message):
 def demo_run(tmp_path_factory):
     """One `tfmixprec demo` for the module's tests: its output and its log folder."""
     folder = tmp_path_factory.mktemp("demo")
-    code, out, err = run("demo", "--epochs", "8", "--logdir", str(folder / "runs"), cwd=folder)
+    code, out, err = run_here("demo", "--epochs", "8", "--logdir", str(folder / "runs"), cwd=folder)
     assert code == 0, err[-2000:]
     return out, err, folder / "runs"
 
@@ -246,7 +253,7 @@ def test_demo_logs_make_the_tab_show_the_story(demo_run, tensorboard_server):
 
 def test_demo_without_the_story(tmp_path):
     args = ("demo", "--epochs", "1", "--quiet", "--no-story", "--logdir", str(tmp_path / "runs"))
-    code, out, err = run(*args, cwd=tmp_path)
+    code, out, err = run_here(*args, cwd=tmp_path)
     assert code == 0, err[-2000:]
     assert "float16 story" not in out
     assert out.rstrip().endswith('then open the "Mixed precision" tab')
@@ -258,7 +265,7 @@ def test_bench_table():
     """The default policies: auto shares the row of the policy it picks here, which is timed
     once; two repeats give each ratio's range, with the line that says how to read it."""
     picked = tfmixprec.choose_policy().name  # mixed_bfloat16 with AVX512_BF16/AMX, else float32
-    code, out, err = run(
+    code, out, err = run_here(
         "bench", "--size", "64", "--batch-size", "32", "--steps", "2", "--repeats", "2"
     )
     assert code == 0, err[-2000:]
@@ -472,7 +479,7 @@ def test_bench_your_own_model(tmp_path):
     policy to use."""
     (tmp_path / "models.py").write_text(USER_MODELS)
     args = ("bench", "--steps", "2", "--repeats", "1", "--policies", "float32", "mixed_bfloat16")
-    code, out, err = run(*args, "--model", "models.py:build", cwd=tmp_path)
+    code, out, err = run_here(*args, "--model", "models.py:build", cwd=tmp_path)
     assert code == 0, err[-2000:]
     rows = [line.split() for line in out.splitlines() if line.startswith("build ")]
     # Dense layers take no bfloat16 route: the tfmixprec stack would be the same step.
@@ -491,16 +498,20 @@ def test_bench_your_own_model(tmp_path):
         recommended,
     ), recommended
     # A language model's logits take a route on a CPU with bfloat16 instructions.
-    code, out, err = run(*args, "--model", "models.py:language_model", cwd=tmp_path)
+    code, out, err = run_here(*args, "--model", "models.py:language_model", cwd=tmp_path)
     assert code == 0, err[-2000:]
     stacks = [line.split()[2] for line in out.splitlines() if line.startswith("language_model ")]
     routed = bool(tfmixprec.cpu_bfloat16.routes_on())
     assert stacks == ["keras", "keras", "tfmixprec"] if routed else ["keras", "keras"]
     # A module in the current folder, as `python -m` finds it; a model with two inputs.
-    code, out, err = run(*args, "--model", "models:two_inputs", cwd=tmp_path)
+    try:
+        code, out, err = run_here(*args, "--model", "models:two_inputs", cwd=tmp_path)
+    finally:
+        sys.modules.pop("models", None)  # imported as `python -m` would: not this process's
     assert code == 0, err[-2000:]
     assert len([line for line in out.splitlines() if line.startswith("two_inputs ")]) == 2
-    code, out, err = run(*args, "--model", "models.py:with_data", "--batch-size", "8", cwd=tmp_path)
+    args = (*args, "--model", "models.py:with_data", "--batch-size", "8")
+    code, out, err = run_here(*args, cwd=tmp_path)
     assert code == 0, err[-2000:]
     batches = [line.split()[3] for line in out.splitlines() if line.startswith("with_data ")]
     assert batches == ["8", "8"]
@@ -942,6 +953,35 @@ def test_start_tensorflow_keeps_a_users_log_level(monkeypatch, users, expected):
         monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", users)
     _tfmixprec_args.start_tensorflow()  # TensorFlow is imported here already: only the level
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == expected
+
+
+def _remapping():
+    return tf.config.optimizer.get_experimental_options().get("remapping", True)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda: keras.config.set_dtype_policy("mixed_bfloat16"),
+        lambda: warnings.simplefilter("ignore"),
+        lambda: tf.get_logger().setLevel("ERROR"),
+        lambda: tf.config.optimizer.set_experimental_options({"remapping": not _remapping()}),
+    ],
+    ids=["policy", "warning-filter", "log-level", "grappler"],
+)
+def test_run_here_sees_a_command_that_changes_the_process(monkeypatch, change):
+    """The tests that run a command in this process (`run_here`) fail if it leaves the process
+    changed."""
+    from tfmixprec.tools import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "doctor", lambda args: change() or 0)
+    level = tf.get_logger().level
+    try:  # grappler's options put back as they were (an option never set unset again)
+        with tfmixprec.cpu_float16.process_state_kept():
+            with pytest.raises(AssertionError, match="tfmixprec doctor changed the process"):
+                run_here("doctor")
+    finally:
+        tf.get_logger().setLevel(level)  # the policy: conftest's fixture
 
 
 def test_cli_main_runs_in_process(capsys):
