@@ -139,3 +139,69 @@ def test_the_flags_of_an_overflow_may_be_bools_or_counts(dtype):
     after = next_state(config, state, False, tf.constant(6, tf.int64), flags)
     assert after.nonfinite_steps.numpy().tolist() == [0, 1, 1]
     assert after.last_nonfinite_step.numpy().tolist() == [-1, 8, 8]
+
+
+def _state_says(opt):
+    return int(opt.consecutive_overflows.numpy()) > 0
+
+
+def _bad(bad):
+    return tf.where(bad, tf.constant([np.inf, 1.0, 1.0]), tf.ones(3))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("first, second", [(False, True), (True, False)])
+def test_skipped_after_a_second_apply_in_a_users_cond(jit_compile, first, second):
+    """A step applies once, then once more inside a user's `tf.cond` (e.g. an extra update
+    every n steps): the step that just ran is the cond's, not the first apply's."""
+    opt, var = _optimizer()
+
+    @tf.function(jit_compile=jit_compile)
+    def step(first_bad, second_bad):
+        opt.apply([_bad(first_bad)], [var])
+
+        def again():
+            opt.apply([_bad(second_bad)], [var])
+            return tf.constant(0)
+
+        tf.cond(tf.constant(True), again, lambda: tf.constant(0))
+        return opt.skipped()
+
+    skipped = bool(step(tf.constant(first), tf.constant(second)))
+    assert _state_says(opt) == second
+    assert skipped == second, f"skipped() says {skipped}, the last step's state says {second}"
+
+
+@pytest.mark.parametrize("first, second", [(False, True), (True, False)])
+def test_skipped_after_a_second_apply_in_a_nested_function(first, second):
+    """The second apply runs in a `tf.function` the step calls (a helper the user
+    decorated): `skipped()` in the step says the second's, not the first apply's."""
+    opt, var = _optimizer()
+    apply_again = tf.function(lambda grad: opt.apply([grad], [var]))
+
+    @tf.function
+    def step(first_bad, second_bad):
+        opt.apply([_bad(first_bad)], [var])
+        apply_again(_bad(second_bad))
+        return opt.skipped()
+
+    skipped = bool(step(tf.constant(first), tf.constant(second)))
+    assert _state_says(opt) == second
+    assert skipped == second, f"skipped() says {skipped}, the last step's state says {second}"
+
+
+def test_skipped_after_a_check_step_that_applies_nothing():
+    """`check_step` is public (the finite check with per-variable evidence): a step that
+    applies clean gradients, then checks other gradients for a diagnostic without applying
+    them, ran an applied step: `skipped()` is not the diagnostic check's flag."""
+    opt, var = _optimizer()
+
+    @tf.function
+    def step():
+        opt.apply([tf.ones(3)], [var])
+        opt.check_step([tf.constant([np.inf, 1.0, 1.0])], [var])  # look only
+        return opt.skipped()
+
+    skipped = bool(step())
+    assert not _state_says(opt)
+    assert not skipped

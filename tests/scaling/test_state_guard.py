@@ -320,3 +320,108 @@ def test_only_what_the_step_writes_is_put_back():
     x[0, 0] = 1  # any ids: only the table's reads change
     step(x, np.full((4, 1), np.inf, "float32"))  # a skipped step
     np.testing.assert_array_equal(table.embeddings.numpy(), before)
+
+
+class GuideModel(keras.Model):
+    """The Keras guide's custom `train_step` with its own trackers ("Customizing what happens
+    in fit()": a `metrics` property, `compile` without a loss), scaling the loss itself."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = tf.reduce_mean(keras.losses.mean_squared_error(y, y_pred))
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        self.loss_tracker.update_state(loss)
+        self.mae_metric.update_state(y, y_pred)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_models_own_loss_tracker_logs_its_mean_not_nan(jit_compile):
+    """No step overflows: with OverflowGuard each step logs the model's own trackers' means.
+    Keras's own loss tracker, which this model never updates, says nothing of whether a step
+    was applied (it was read so, and every step logged nan)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Dense(4)(keras.layers.Dense(4)(inputs))
+    model = GuideModel(inputs, outputs, name="guide")
+    opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
+    model.compile(optimizer=opt, jit_compile=jit_compile)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(
+            (float(logs["loss"]), float(model.loss_tracker.result()))
+        )
+    )
+    model.fit(
+        x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[tfmixprec.OverflowGuard(), record]
+    )
+    assert len(seen) == 4
+    assert [logged for logged, _ in seen] == [own for _, own in seen]
+
+
+def _derived(base):
+    """A model whose `get_metrics_result` (Keras's public hook behind `compute_metrics`)
+    reports `mae` in percent and adds `rmse` from the `mse` metric."""
+
+    class Derived(base):
+        def get_metrics_result(self):
+            results = super().get_metrics_result()
+            results["rmse"] = keras.ops.sqrt(results["mse"])
+            results["mae"] = results["mae"] * 100.0
+            return results
+
+    return Derived
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("kind", ["keras.Model", "MixedPrecisionFunctional"])
+def test_the_logs_follow_an_overridden_get_metrics_result(kind, jit_compile):
+    """Batch 1 overflows (float16 forward) and is put back. Each step's logs are what the
+    model's own `get_metrics_result()` says after it, bit for bit: the guard does not read
+    each `metric.result()` itself where the model reports its results its own way."""
+    base = keras.Model if kind == "keras.Model" else tfmixprec.MixedPrecisionFunctional
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(4)(inputs))
+        model = _derived(base)(inputs, outputs, name="derived")
+    opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
+    model.compile(optimizer=opt, loss="mse", metrics=["mse", "mae"], jit_compile=jit_compile)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
+    x[4, 0] = 1e6  # batch 1: past float16's range in the forward pass
+    logged, own = [], []
+
+    def record(batch, logs):
+        logged.append({k: float(logs[k]) for k in ("loss", "mse", "mae", "rmse")})
+        own.append({k: float(v) for k, v in model.get_metrics_result().items()})
+
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            tfmixprec.OverflowGuard(),
+            keras.callbacks.LambdaCallback(on_train_batch_end=record),
+        ],
+    )
+    assert model.optimizer.read_state()["overflow_steps"] == 1
+    assert np.isfinite([row["rmse"] for row in logged]).all(), logged
+    assert logged == own

@@ -70,6 +70,9 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
     def skip_step(self, evidence: Any = None) -> None:
         raise NotImplementedError
 
+    def note_step(self, finite: Any) -> None:
+        """Called after the apply-or-skip branch on `finite`, in the graph that branched."""
+
     # Why: Keras's `_tf_apply` asks `check_finite(grads)` for one bool, so its skip branch
     # cannot know which variables' gradients were not finite (the gradients' variables are
     # not passed to `check_finite`). This keeps Keras's structure (a `merge_call` and the
@@ -130,6 +133,8 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
                 lambda: self.apply_finite_step(grads, variables),
                 lambda: self.skip_step(evidence),
             )
+        if not tf.executing_eagerly():
+            self.note_step(finite)
 
     def _cross_replica_step(self, distribution: Any, args: tuple, step_args: Any) -> None:
         """In cross-replica context: each replica checks `step_args(*its args)`; the `cond`

@@ -364,6 +364,8 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
+        for noted in list(self._finite_checked.values()):  # a new step: no flag is this one's
+            noted.pop(threading.get_ident(), None)
         tracked = self.tracked_variables()
         variables = tracked if trainable_variables is None else list(trainable_variables)
         keep = [self.overwrites_with_gradient(v) for v in variables]
@@ -392,11 +394,13 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         tracked = self.tracked_variables()
         variables = tracked if trainable_variables is None else list(trainable_variables)
         indices = [self.variable_index(v) for v in variables]
-        finite, evidence = check(grads, indices, len(tracked))
-        if not tf.executing_eagerly():
-            graph = tf.compat.v1.get_default_graph()
-            self._finite_checked.setdefault(graph, {})[threading.get_ident()] = finite
-        return finite, evidence
+        return check(grads, indices, len(tracked))
+
+    def note_step(self, finite: tf.Tensor) -> None:
+        """While tracing, after the apply-or-skip branch on `finite` in this graph: the flag
+        `skipped()` returns here, until the next `apply` in this thread (in any graph)."""
+        graph = tf.compat.v1.get_default_graph()
+        self._finite_checked.setdefault(graph, {})[threading.get_ident()] = finite
 
     def apply_finite_step(self, grads: Sequence[Any], trainable_variables: Any) -> None:
         """Applies already unscaled gradients through the inner optimizer; counts a clean step."""
@@ -425,8 +429,8 @@ class LossScaleOptimizer(KerasLossScaleHooks):
     def skipped(self) -> tf.Tensor:
         """Whether the step that just ran was skipped (a scalar bool, read in the graph):
         after `apply`, its gradients were not finite. With accumulation only the micro-batch
-        that ends a window can be skipped. In the graph that ran the check (`apply` in this
-        `tf.function`, this replica), the check's own flag: no read."""
+        that ends a window can be skipped. Right after an `apply` that branched in this graph
+        (this `tf.function`, this replica), its finite check's own flag: no read."""
         if self._accumulator is None and not tf.executing_eagerly():
             checked = self._finite_checked.get(tf.compat.v1.get_default_graph(), {})
             finite = checked.get(threading.get_ident())

@@ -47,13 +47,15 @@ def guarded_variables(model: keras.Model) -> list[Any]:
 
 class GuardedStep:
     """What `guard_state` yields: after the block, `skipped` holds the skip flag it read (a
-    scalar bool tensor of this step), for the step's logs (`optimizer.snapshot(skipped)`),
-    and, in a `tf.function` without a strategy, `restored` the value each variable it put
-    back holds now (by the variable's `id`), for the logs without a read."""
+    scalar bool tensor of this step), for the step's logs (`optimizer.snapshot(skipped)`);
+    in a `tf.function`, `written` the ids of the variables the block may write (those put
+    back) and, without a strategy, `restored` the value each of them holds now (by the
+    variable's `id`), for the logs without a read. Eagerly both stay None."""
 
     def __init__(self) -> None:
         self.skipped: Any = None
-        self.restored: dict[int, tf.Tensor] = {}
+        self.written: set[int] | None = None
+        self.restored: dict[int, tf.Tensor] | None = None
 
 
 @contextlib.contextmanager
@@ -111,7 +113,7 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[GuardedStep]:
         return
     # Only what the block may write (a frozen layer's weights are read, never written), with
     # selects, not a `cond`: on a GPU a `cond` outside XLA waits for its flag on the host.
-    written = written_since(first, variables)
+    written = guarded.written = written_since(first, variables)
     pairs = [(v, s) for v, s in zip(variables, saved) if id(v) in written]
     if tf.distribute.has_strategy():  # each replica its own copies, in one merge_call
         update_each_copy([(v, _restore, (skipped, s)) for v, s in pairs])
@@ -168,26 +170,40 @@ def metrics_after_guard(model: keras.Model, logs: Any, guarded: GuardedStep | No
     """A step's `logs` with the model's metric results read again after `guard_state`: the
     running means over the applied steps (a skipped step's values put back; read inside the
     block they still held its nan), and nan while no step of the epoch was applied (the mean
-    of nothing, where Keras's `Mean` says 0). Keys that are not metric results stay.
-    `guarded`: what the guard yielded; the loss's mean is then the total over the count it
-    put back (0 / 0: nan), with no read."""
+    of nothing, where Keras's `Mean` says 0), where the step counts its loss in Keras's own
+    loss tracker. Keys that are not metric results stay. `guarded`: what the guard yielded;
+    the loss's mean is then the total over the count it put back (0 / 0: nan), with no read,
+    unless the model has its own `get_metrics_result`."""
     if not isinstance(logs, dict):
         return logs
-    tracker = loss_tracker(model)
-    restored = {} if guarded is None else guarded.restored
+    tracker, count = _loss_count(model, guarded)
+    restored = {} if guarded is None or guarded.restored is None else guarded.restored
     results = _results_after_guard(model, tracker, restored)
     nothing: list[tf.Tensor] = []  # whether no step of the epoch was applied, made once
     fresh = {}
     for key, value in logs.items():
         if key in results:
             value, put_back = results[key]
-            if not put_back and tracker is not None and value.dtype.is_floating:
+            if not put_back and count is not None and value.dtype.is_floating:
                 if not nothing:
-                    count = restored.get(id(tracker.count))
-                    nothing.append(tf.equal(read_now(tracker.count) if count is None else count, 0))
+                    now = restored[id(count)] if id(count) in restored else read_now(count)
+                    nothing.append(tf.equal(now, 0))
                 value = tf.where(nothing[0], tf.constant(float("nan"), value.dtype), value)
         fresh[key] = value
     return fresh
+
+
+def _loss_count(model: keras.Model, guarded: GuardedStep | None) -> tuple[Any, Any]:
+    """Keras's loss tracker and its count, where the step counts its loss there (the guard
+    saw the step write it; without a guard, wherever the model has one): a custom step that
+    keeps its own trackers leaves it at 0, which says nothing of the steps applied."""
+    tracker = loss_tracker(model)
+    if tracker is None:
+        return None, None
+    written = None if guarded is None else guarded.written
+    if written is not None and id(tracker.count) not in written:
+        return tracker, None
+    return tracker, tracker.count
 
 
 def _results_after_guard(
@@ -195,9 +211,11 @@ def _results_after_guard(
 ) -> dict[str, tuple[tf.Tensor, bool]]:
     """Each metric result (as `get_metrics_result`) and whether it is nan already where no
     step was applied: the loss's, from the total and count the guard put back (`restored`),
-    is their quotient, 0 / 0 = nan (Keras's `Mean` divides with no nan: 0)."""
+    is their quotient, 0 / 0 = nan (Keras's `Mean` divides with no nan: 0). A model with its
+    own `get_metrics_result` gets its own results."""
     parts = [restored.get(id(v)) for v in (tracker.total, tracker.count)] if tracker else [None]
-    if None in parts:
+    own = type(model).get_metrics_result is not keras.Model.get_metrics_result
+    if None in parts or own:
         return {k: (tf.convert_to_tensor(v), False) for k, v in model.get_metrics_result().items()}
     results = {tracker.name: (parts[0] / tf.cast(parts[1], parts[0].dtype), True)}
     for metric in model.metrics:
