@@ -205,3 +205,22 @@ def test_skipped_after_a_check_step_that_applies_nothing():
     skipped = bool(step())
     assert not _state_says(opt)
     assert not skipped
+
+
+@pytest.mark.parametrize("first, second", [(False, True), (True, False)])
+def test_skipped_after_more_applies_in_an_autograph_loop(first, second):
+    """A warm-up apply, then a `tf.range` loop of applies (inner steps): the loop body is a
+    graph of its own: `skipped()` after the loop is the loop's last step's, not the
+    warm-up's."""
+    opt, var = _optimizer()
+
+    @tf.function
+    def step(first_bad, second_bad):
+        opt.apply([_bad(first_bad)], [var])
+        for _ in tf.range(2):
+            opt.apply([_bad(second_bad)], [var])
+        return opt.skipped()
+
+    skipped = bool(step(tf.constant(first), tf.constant(second)))
+    assert _state_says(opt) == second
+    assert skipped == second, f"skipped() says {skipped}, the last step's state says {second}"

@@ -425,3 +425,60 @@ def test_the_logs_follow_an_overridden_get_metrics_result(kind, jit_compile):
     assert model.optimizer.read_state()["overflow_steps"] == 1
     assert np.isfinite([row["rmse"] for row in logged]).all(), logged
     assert logged == own
+
+
+class NestedLogsModel(keras.Model):
+    """The Keras 3 guide's custom `train_step` ("Customizing what happens in fit()" with
+    TensorFlow): every metric updated by hand, `{m.name: m.result()}` returned, so the
+    compiled metrics come as one nested dict under `compile_metrics`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_nested_compile_metrics_log_is_read_after_the_put_back(jit_compile):
+    """Batch 1 overflows and is put back: its `mae` log is the mean over the applied steps
+    (what `get_metrics_result()` says after it), though the step logs it inside a nested
+    `compile_metrics` dict (it was the nan read inside the guard)."""
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(4)(inputs))
+        model = NestedLogsModel(inputs, outputs, name="nested")
+    opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
+    model.compile(optimizer=opt, loss="mse", metrics=["mae"], jit_compile=jit_compile)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
+    x[4, 0] = 1e6  # batch 1: past float16's range in the forward pass
+    logged, own = [], []
+
+    def record(batch, logs):
+        logged.append({k: float(logs[k]) for k in ("loss", "mae")})
+        own.append({k: float(v) for k, v in model.get_metrics_result().items()})
+
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            tfmixprec.OverflowGuard(),
+            keras.callbacks.LambdaCallback(on_train_batch_end=record),
+        ],
+    )
+    assert model.optimizer.read_state()["overflow_steps"] == 1
+    assert logged == own

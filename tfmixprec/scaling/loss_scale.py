@@ -333,7 +333,7 @@ def next_state(
                     min_scale_overflows += 1
                     if min_scale_overflow_iteration < 0:
                         min_scale_overflow_iteration = step
-                hysteresis_tracker = max(hysteresis_tracker - 1, 0)
+                hysteresis_tracker = max(hysteresis_tracker - 1, 0)  # 0 if hysteresis == 1
                 if hysteresis_tracker == 0:                     # back off
                     scale = max(scale * backoff_factor, min_scale)
 

@@ -46,6 +46,34 @@ from tfmixprec.scaling.state_file import load, save
 __all__ = ["LossScaleOptimizer"]  # and `resolve_optimizer`, from `optimizer_args`
 
 # What `read_state()` returns; `get_config()` writes `CONFIG_NAMES` besides name and inner.
+_NOTED = threading.Lock()  # replicas trace in threads at once
+
+
+class _StepFlags:
+    """While tracing, per thread: the finite flag of the last `apply` traced there and the
+    graph it branched in (weakly, and the flag by name: no graph is held), for `skipped()`.
+    Any `apply` in the thread, in any graph (a cond, a loop, a nested function), drops it."""
+
+    def __init__(self) -> None:
+        self._noted: dict[int, tuple[Any, str]] = {}
+
+    def forget(self) -> None:
+        with _NOTED:
+            self._noted.pop(threading.get_ident(), None)
+
+    def note(self, finite: tf.Tensor) -> None:
+        graph = weakref.ref(tf.compat.v1.get_default_graph())
+        with _NOTED:
+            self._noted[threading.get_ident()] = (graph, finite.name)
+
+    def here(self) -> tf.Tensor | None:
+        """The flag noted in this thread, if the graph being traced is the one it is in."""
+        graph = tf.compat.v1.get_default_graph()
+        with _NOTED:
+            noted, name = self._noted.get(threading.get_ident(), (None, ""))
+        return graph.get_tensor_by_name(name) if noted is not None and noted() is graph else None
+
+
 STATE_NAMES = (
     "loss_scale",
     "good_steps",
@@ -176,7 +204,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
             lambda name, dtype, value, shape=(): self._state_variable(name, shape, dtype, value),
         )
         self._accumulator: GradientAccumulator | None = None  # made by `build`
-        self._finite_checked = weakref.WeakKeyDictionary()  # graph: {thread: flag}, skipped()
+        self._step_flags = _StepFlags()  # for `skipped()` right after `apply`
 
     def _state_variable(self, name: str, shape: tuple, dtype: str, value: float) -> Any:
         # All replicas compute the same value; take the first replica's write.
@@ -364,8 +392,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
-        for noted in list(self._finite_checked.values()):  # a new step: no flag is this one's
-            noted.pop(threading.get_ident(), None)
+        self._step_flags.forget()  # a new step: no flag noted in this thread is its own
         tracked = self.tracked_variables()
         variables = tracked if trainable_variables is None else list(trainable_variables)
         keep = [self.overwrites_with_gradient(v) for v in variables]
@@ -399,8 +426,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
     def note_step(self, finite: tf.Tensor) -> None:
         """While tracing, after the apply-or-skip branch on `finite` in this graph: the flag
         `skipped()` returns here, until the next `apply` in this thread (in any graph)."""
-        graph = tf.compat.v1.get_default_graph()
-        self._finite_checked.setdefault(graph, {})[threading.get_ident()] = finite
+        self._step_flags.note(finite)
 
     def apply_finite_step(self, grads: Sequence[Any], trainable_variables: Any) -> None:
         """Applies already unscaled gradients through the inner optimizer; counts a clean step."""
@@ -431,11 +457,11 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         after `apply`, its gradients were not finite. With accumulation only the micro-batch
         that ends a window can be skipped. Right after an `apply` that branched in this graph
         (this `tf.function`, this replica), its finite check's own flag: no read."""
+        finite = None
         if self._accumulator is None and not tf.executing_eagerly():
-            checked = self._finite_checked.get(tf.compat.v1.get_default_graph(), {})
-            finite = checked.get(threading.get_ident())
-            if finite is not None:
-                return tf.logical_not(finite)
+            finite = self._step_flags.here()
+        if finite is not None:
+            return tf.logical_not(finite)
         skipped = read_now(self._loss_scale.consecutive_overflows) > 0
         if self._accumulator is not None:
             ended = tf.equal(read_now(self._accumulator.micro_step), 0)

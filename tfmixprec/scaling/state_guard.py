@@ -180,17 +180,21 @@ def metrics_after_guard(model: keras.Model, logs: Any, guarded: GuardedStep | No
     restored = {} if guarded is None or guarded.restored is None else guarded.restored
     results = _results_after_guard(model, tracker, restored)
     nothing: list[tf.Tensor] = []  # whether no step of the epoch was applied, made once
-    fresh = {}
-    for key, value in logs.items():
-        if key in results:
-            value, put_back = results[key]
-            if not put_back and count is not None and value.dtype.is_floating:
-                if not nothing:
-                    now = restored[id(count)] if id(count) in restored else read_now(count)
-                    nothing.append(tf.equal(now, 0))
-                value = tf.where(nothing[0], tf.constant(float("nan"), value.dtype), value)
-        fresh[key] = value
-    return fresh
+
+    def fresh(key: str, value: Any) -> Any:
+        if isinstance(value, dict):  # a nested log (`compile_metrics`): its results again
+            return {k: fresh(k, v) for k, v in value.items()}
+        if key not in results:
+            return value
+        value, put_back = results[key]
+        if not put_back and count is not None and value.dtype.is_floating:
+            if not nothing:
+                now = restored[id(count)] if id(count) in restored else read_now(count)
+                nothing.append(tf.equal(now, 0))
+            value = tf.where(nothing[0], tf.constant(float("nan"), value.dtype), value)
+        return value
+
+    return {key: fresh(key, value) for key, value in logs.items()}
 
 
 def _loss_count(model: keras.Model, guarded: GuardedStep | None) -> tuple[Any, Any]:
