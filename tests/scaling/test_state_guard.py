@@ -395,36 +395,36 @@ def test_the_logs_follow_an_overridden_get_metrics_result(kind, jit_compile):
     model's own `get_metrics_result()` says after it, bit for bit: the guard does not read
     each `metric.result()` itself where the model reports its results its own way."""
     base = keras.Model if kind == "keras.Model" else tfmixprec.MixedPrecisionFunctional
+    model, logged, own = _fit_over_one_overflow(_derived(base), ["mse", "mae"], jit_compile)
+    assert np.isfinite([row["rmse"] for row in logged]).all(), logged
+    assert logged == own
+
+
+def _fit_over_one_overflow(cls, metrics, jit_compile):
+    """A `cls` model fitted on 4 batches, batch 1 overflowing (past float16's range in the
+    forward pass); each step's logs, and what `get_metrics_result()` said after each."""
     keras.utils.set_random_seed(0)
     with tfmixprec.policy_scope("mixed_float16"):
         inputs = keras.Input((3,))
         outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(4)(inputs))
-        model = _derived(base)(inputs, outputs, name="derived")
+        model = cls(inputs, outputs, name="one_overflow")
     opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
-    model.compile(optimizer=opt, loss="mse", metrics=["mse", "mae"], jit_compile=jit_compile)
+    model.compile(optimizer=opt, loss="mse", metrics=metrics, jit_compile=jit_compile)
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
-    x[4, 0] = 1e6  # batch 1: past float16's range in the forward pass
+    x[4, 0] = 1e6
     logged, own = [], []
 
-    def record(batch, logs):
-        logged.append({k: float(logs[k]) for k in ("loss", "mse", "mae", "rmse")})
-        own.append({k: float(v) for k, v in model.get_metrics_result().items()})
+    def record(batch, logs):  # float32, as the step computes (Keras 3.12 gives Python floats)
+        now = {k: float(np.float32(v)) for k, v in model.get_metrics_result().items()}
+        logged.append({k: float(logs[k]) for k in now})
+        own.append(now)
 
-    model.fit(
-        x,
-        y,
-        batch_size=4,
-        shuffle=False,
-        verbose=0,
-        callbacks=[
-            tfmixprec.OverflowGuard(),
-            keras.callbacks.LambdaCallback(on_train_batch_end=record),
-        ],
-    )
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=record)
+    callbacks = [tfmixprec.OverflowGuard(), record]
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=callbacks)
     assert model.optimizer.read_state()["overflow_steps"] == 1
-    assert np.isfinite([row["rmse"] for row in logged]).all(), logged
-    assert logged == own
+    return model, logged, own
 
 
 class NestedLogsModel(keras.Model):
@@ -453,32 +453,5 @@ def test_a_nested_compile_metrics_log_is_read_after_the_put_back(jit_compile):
     """Batch 1 overflows and is put back: its `mae` log is the mean over the applied steps
     (what `get_metrics_result()` says after it), though the step logs it inside a nested
     `compile_metrics` dict (it was the nan read inside the guard)."""
-    keras.utils.set_random_seed(0)
-    with tfmixprec.policy_scope("mixed_float16"):
-        inputs = keras.Input((3,))
-        outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(4)(inputs))
-        model = NestedLogsModel(inputs, outputs, name="nested")
-    opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
-    model.compile(optimizer=opt, loss="mse", metrics=["mae"], jit_compile=jit_compile)
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
-    x[4, 0] = 1e6  # batch 1: past float16's range in the forward pass
-    logged, own = [], []
-
-    def record(batch, logs):
-        logged.append({k: float(logs[k]) for k in ("loss", "mae")})
-        own.append({k: float(v) for k, v in model.get_metrics_result().items()})
-
-    model.fit(
-        x,
-        y,
-        batch_size=4,
-        shuffle=False,
-        verbose=0,
-        callbacks=[
-            tfmixprec.OverflowGuard(),
-            keras.callbacks.LambdaCallback(on_train_batch_end=record),
-        ],
-    )
-    assert model.optimizer.read_state()["overflow_steps"] == 1
+    _, logged, own = _fit_over_one_overflow(NestedLogsModel, ["mae"], jit_compile)
     assert logged == own
