@@ -45,7 +45,6 @@ from tfmixprec.scaling.state_file import load, save
 
 __all__ = ["LossScaleOptimizer"]  # and `resolve_optimizer`, from `optimizer_args`
 
-# What `read_state()` returns; `get_config()` writes `CONFIG_NAMES` besides name and inner.
 _NOTED = threading.Lock()  # replicas trace in threads at once
 
 
@@ -74,6 +73,7 @@ class _StepFlags:
         return graph.get_tensor_by_name(name) if noted is not None and noted() is graph else None
 
 
+# What `read_state()` returns; `get_config()` writes `CONFIG_NAMES` besides name and inner.
 STATE_NAMES = (
     "loss_scale",
     "good_steps",
