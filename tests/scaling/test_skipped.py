@@ -23,6 +23,11 @@ def _optimizer(count=1):
     return (opt, *variables)
 
 
+def _bad(bad):
+    """A gradient with an Inf where the bool tensor `bad` is set, else ones."""
+    return tf.where(bad, tf.constant([np.inf, 1.0, 1.0]), tf.ones(3))
+
+
 def _grad(opt, overflow):
     scale = tf.cast(opt.loss_scale, tf.float32)
     return tf.where(tf.constant(overflow), tf.constant([np.inf, 1.0, 1.0]), scale * tf.ones(3))
@@ -43,7 +48,7 @@ def test_in_the_function_that_applied_it_is_the_checks_flag(jit_compile):
 
     @tf.function(jit_compile=jit_compile)
     def step(overflow):
-        opt.apply([tf.where(overflow, tf.constant([np.inf, 1.0, 1.0]), tf.ones(3))], [var])
+        opt.apply([_bad(overflow)], [var])
         return opt.skipped()
 
     seen = [bool(step(tf.constant(overflow))) for overflow in PATTERN]
@@ -109,7 +114,7 @@ def test_under_two_replicas(two_cpu_strategy):
         def replica():
             index = tf.distribute.get_replica_context().replica_id_in_sync_group
             bad = tf.logical_and(overflow, tf.equal(index, 1))  # one replica's Inf skips both
-            opt.apply([tf.where(bad, tf.constant([np.inf, 1.0, 1.0]), tf.ones(3))], [var])
+            opt.apply([_bad(bad)], [var])
             return tf.cast(opt.skipped(), tf.int32)
 
         return two_cpu_strategy.run(replica)
@@ -143,10 +148,6 @@ def test_the_flags_of_an_overflow_may_be_bools_or_counts(dtype):
 
 def _state_says(opt):
     return int(opt.consecutive_overflows.numpy()) > 0
-
-
-def _bad(bad):
-    return tf.where(bad, tf.constant([np.inf, 1.0, 1.0]), tf.ones(3))
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
