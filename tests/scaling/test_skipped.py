@@ -49,13 +49,16 @@ def test_in_the_function_that_applied_it_is_the_checks_flag(jit_compile):
     @tf.function(jit_compile=jit_compile)
     def step(overflow):
         opt.apply([_bad(overflow)], [var])
-        return opt.skipped()
+        first = opt.skipped()
+        return first, opt.skipped() is first  # asked again (the guard, then the keeper)
 
-    seen = [bool(step(tf.constant(overflow))) for overflow in PATTERN]
-    assert seen == PATTERN
+    seen = [step(tf.constant(overflow)) for overflow in PATTERN]
+    assert [bool(flag) for flag, _ in seen] == PATTERN
+    assert all(again for _, again in seen)  # one negation of the flag, made once
     # the state is read inside the branches (to count), not for the flag
     graph = step.get_concrete_function(tf.TensorSpec([], tf.bool)).graph
     assert _reads(graph, opt.consecutive_overflows) == 0
+    assert [op.type for op in graph.get_operations()].count("LogicalNot") == 1
 
 
 def _reads(graph, variable):

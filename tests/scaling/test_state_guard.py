@@ -400,16 +400,88 @@ def test_the_logs_follow_an_overridden_get_metrics_result(kind, jit_compile):
     assert logged == own
 
 
-def _fit_over_one_overflow(cls, metrics, jit_compile):
+class CountedMAE(keras.metrics.MeanAbsoluteError):
+    """`mae`, counting the calls of `result()` (in a traced step: once a trace)."""
+
+    calls = 0
+
+    def result(self):
+        self.calls += 1
+        return super().result()
+
+
+class OwnComputeMetrics(tfmixprec.MixedPrecisionFunctional):
+    """Keras's pattern for a metric of one's own (`compute_metrics`'s docstring): Keras's
+    results from `super().compute_metrics`, then one more, read from them."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extra = keras.metrics.Mean(name="extra")
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        results = super().compute_metrics(x, y, y_pred, sample_weight)
+        self.extra.update_state(results["loss"] * 2.0)
+        results["extra"] = self.extra.result()
+        return results
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_mixed_precision_models_step_reads_each_result_once(jit_compile):
+    """MixedPrecisionModel's step reads each metric result once, after the guard put the
+    metrics back (inside it, Keras's `compute_metrics` gets no results), and logs them as
+    Keras's own step would: its keys, in its order, then the loss scale's."""
+    metric = CountedMAE(name="mae")
+    model, logged, own = _fit_over_one_overflow(
+        tfmixprec.MixedPrecisionFunctional, ["mse", metric], jit_compile
+    )
+    assert logged == own and np.isfinite([row["mae"] for row in logged]).all()
+    metric.calls = 0
+    spec = (tf.TensorSpec([4, 3]), tf.TensorSpec([4, 4]))
+    traced = tf.function(model.train_step).get_concrete_function(spec)
+    assert metric.calls == 1
+    assert list(traced.structured_outputs) == [
+        "loss", "mse", "mae", "loss_scale", "overflow", "overflow_steps", "skipped_fraction"
+    ]  # fmt: skip
+    assert model.get_metrics_result()["mae"] == own[-1]["mae"]  # outside the step: all
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_models_own_compute_metrics_gets_kerass_results(jit_compile):
+    """A `compute_metrics` of the model's own reads Keras's results from `super()` (they are
+    not left out of its step): batch 1 overflows and is put back, and each step logs what
+    `get_metrics_result()` says after it, its own metric's too."""
+    model, logged, own = _fit_over_one_overflow(OwnComputeMetrics, ["mae"], jit_compile)
+    assert sorted(logged[0]) == ["extra", "loss", "mae"]  # in `model.metrics`'s order (Keras's)
+    assert logged == own and np.isfinite([row["extra"] for row in logged]).all()
+
+
+def test_under_two_replicas_each_result_is_read_after_the_put_back(two_cpu_strategy):
+    """Each replica traces the step in its own thread: the overflow step (batch 1) logs the
+    means of step 0, bit for bit, and every step's logs are what `get_metrics_result()` says
+    after it, up to the order in which the replicas' float32 totals were summed (a few ulps:
+    the step reduces each replica's result, `get_metrics_result` the summed totals)."""
+    _, logged, own = _fit_over_one_overflow(
+        tfmixprec.MixedPrecisionFunctional, ["mae"], False, two_cpu_strategy
+    )
+    assert list(logged[0]) == ["loss", "mae"] and logged[1] == logged[0]
+    rows = [[row[key] for key in ("loss", "mae")] for row in (*logged, *own)]
+    eps = float(np.finfo(np.float32).eps)
+    np.testing.assert_allclose(rows[: len(logged)], rows[len(logged) :], rtol=4 * eps, atol=0)
+
+
+def _fit_over_one_overflow(cls, metrics, jit_compile, strategy=None):
     """A `cls` model fitted on 4 batches, batch 1 overflowing (past float16's range in the
     forward pass); each step's logs, and what `get_metrics_result()` said after each."""
     keras.utils.set_random_seed(0)
-    with tfmixprec.policy_scope("mixed_float16"):
+    with (
+        tfmixprec.policy_scope("mixed_float16"),
+        (strategy or tf.distribute.get_strategy()).scope(),
+    ):
         inputs = keras.Input((3,))
         outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(4)(inputs))
         model = cls(inputs, outputs, name="one_overflow")
-    opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
-    model.compile(optimizer=opt, loss="mse", metrics=metrics, jit_compile=jit_compile)
+        opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
+        model.compile(optimizer=opt, loss="mse", metrics=metrics, jit_compile=jit_compile)
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
     x[4, 0] = 1e6

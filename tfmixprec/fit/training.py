@@ -9,6 +9,7 @@ state machine. The logs gain the optimizer's `snapshot()`: `loss_scale`, `overfl
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,7 +34,14 @@ from tfmixprec.precision import cpu_bfloat16, cpu_float16
 from tfmixprec.scaling.loss_scale import default_config
 from tfmixprec.scaling.optimizer import LossScaleOptimizer
 from tfmixprec.scaling.optimizer_args import resolve_optimizer
-from tfmixprec.scaling.state_guard import guard_state, metrics_after_guard
+from tfmixprec.scaling.state_guard import (
+    KERAS_RESULTS,
+    defers_results,
+    guard_state,
+    metrics_after_guard,
+    results_after_guard,
+    results_deferred,
+)
 
 __all__ = [
     "MixedPrecisionMixin",
@@ -186,8 +194,8 @@ class MixedPrecisionMixin(MultiWorkerFit):
     Put it before `keras.Model` in the bases: `class MyModel(MixedPrecisionMixin, keras.Model)`.
     `compile` wraps the optimizer in a `tfmixprec.LossScaleOptimizer` (dynamic scale for
     float16; a fixed scale of 1 for bfloat16/float32, which still skips Inf/NaN steps). The
-    logs gain `loss_scale` and `overflow` (1.0 on a skipped step). Loss and metrics of a
-    skipped step still count in the epoch averages, as with Keras's own `train_step`.
+    logs gain `loss_scale` and `overflow` (1.0 on a skipped step). A skipped step changes no
+    variable: its loss and metrics do not count in the epoch's means (`guard_state`).
     """
 
     def compile(
@@ -237,13 +245,26 @@ class MixedPrecisionMixin(MultiWorkerFit):
                 "MixedPrecisionModel.train_step needs a tfmixprec.LossScaleOptimizer; compile "
                 f"the model with compile(). Received: optimizer={self.optimizer!r}"
             )
-        with guard_state(self, self.optimizer) as guarded:  # a skipped step changes nothing
-            logs = super().train_step(data)
-        logs = dict(metrics_after_guard(self, logs, guarded))  # the means over the applied steps
+        # A skipped step changes nothing; the results are read once, after the guard puts
+        # the metrics back (the means over the applied steps), not also inside it.
+        later = defers_results(self)
+        with guard_state(self, self.optimizer) as guarded:
+            with results_after_guard(self) if later else contextlib.nullcontext():
+                logs = super().train_step(data)
+        logs = dict(metrics_after_guard(self, logs, guarded, every_result=later))
         logs.update(self.optimizer.snapshot(guarded.skipped))
         return logs
 
     train_step.tfmixprec_guarded = True  # the callbacks wrap no further guard around it
+
+    def get_metrics_result(self) -> dict[str, Any]:
+        """Keras's `get_metrics_result`; inside this model's own `train_step` nothing, where
+        the step reads each result after its state guard (`metrics_after_guard`), once."""
+        if results_deferred(self):
+            return {}
+        return super().get_metrics_result()
+
+    setattr(get_metrics_result, KERAS_RESULTS, True)
 
     def keep_overflow_batches(self, limit: int) -> OverflowBatches | None:
         """From the next traced step on, keeps the batches of the first `limit` overflow

@@ -460,8 +460,9 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         finite = None
         if self._accumulator is None and not tf.executing_eagerly():
             finite = self._step_flags.here()
-        if finite is not None:
-            return tf.logical_not(finite)
+        if finite is not None:  # its negation, made once in this graph
+            made = [op for op in finite.consumers() if op.type == "LogicalNot"]
+            return made[0].outputs[0] if made else tf.logical_not(finite)
         skipped = read_now(self._loss_scale.consecutive_overflows) > 0
         if self._accumulator is not None:
             ended = tf.equal(read_now(self._accumulator.micro_step), 0)

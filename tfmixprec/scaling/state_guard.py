@@ -15,6 +15,7 @@ in it.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -166,14 +167,18 @@ def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[An
     return guarded
 
 
-def metrics_after_guard(model: keras.Model, logs: Any, guarded: GuardedStep | None = None) -> Any:
+def metrics_after_guard(
+    model: keras.Model, logs: Any, guarded: GuardedStep | None = None, every_result: bool = False
+) -> Any:
     """A step's `logs` with the model's metric results read again after `guard_state`: the
     running means over the applied steps (a skipped step's values put back; read inside the
     block they still held its nan), and nan while no step of the epoch was applied (the mean
     of nothing, where Keras's `Mean` says 0), where the step counts its loss in Keras's own
     loss tracker. Keys that are not metric results stay. `guarded`: what the guard yielded;
     the loss's mean is then the total over the count it put back (0 / 0: nan), with no read,
-    unless the model has its own `get_metrics_result`."""
+    unless the model has its own `get_metrics_result`. `every_result`: the step left its
+    results out of `logs` (`results_after_guard`): each one is added, in `model.metrics`'s
+    order, before the other keys."""
     if not isinstance(logs, dict):
         return logs
     tracker, count = _loss_count(model, guarded)
@@ -194,7 +199,45 @@ def metrics_after_guard(model: keras.Model, logs: Any, guarded: GuardedStep | No
             value = tf.where(nothing[0], tf.constant(float("nan"), value.dtype), value)
         return value
 
-    return {key: fresh(key, value) for key, value in logs.items()}
+    keys = [*results, *(k for k in logs if k not in results)] if every_result else logs
+    return {key: fresh(key, logs.get(key)) for key in keys}
+
+
+# Per thread (each replica traces in its own): the model whose step is being traced inside
+# `results_after_guard`, whose `get_metrics_result` then returns nothing.
+_RESULTS_LATER = threading.local()
+
+
+def defers_results(model: keras.Model) -> bool:
+    """Whether `model`'s step can leave its metric results to `metrics_after_guard`: its
+    `get_metrics_result` asks `results_deferred` (tfmixprec's), and Keras's own
+    `compute_metrics` hands them to the step's logs (a model's own may use them)."""
+    cls = type(model)
+    own_metrics = cls.compute_metrics is not keras.Model.compute_metrics
+    return not own_metrics and getattr(cls.get_metrics_result, KERAS_RESULTS, False)
+
+
+@contextlib.contextmanager
+def results_after_guard(model: keras.Model) -> Iterator[None]:
+    """Around Keras's `train_step` inside `guard_state`, for a model that `defers_results`:
+    its `get_metrics_result` returns nothing there, so that the step reads each result once,
+    after the guard (`metrics_after_guard(..., every_result=True)`), not also before it."""
+    before = getattr(_RESULTS_LATER, "model", None)
+    _RESULTS_LATER.model = model
+    try:
+        yield
+    finally:
+        _RESULTS_LATER.model = before
+
+
+def results_deferred(model: keras.Model) -> bool:
+    """Whether `model`'s step is being traced (or run eagerly) inside `results_after_guard` in
+    this thread: its `get_metrics_result` then returns `{}`."""
+    return getattr(_RESULTS_LATER, "model", None) is model
+
+
+# Marks a `get_metrics_result` that returns Keras's own results (or none, `results_deferred`).
+KERAS_RESULTS = "tfmixprec_keras_results"
 
 
 def _loss_count(model: keras.Model, guarded: GuardedStep | None) -> tuple[Any, Any]:
@@ -218,15 +261,18 @@ def _results_after_guard(
     is their quotient, 0 / 0 = nan (Keras's `Mean` divides with no nan: 0). A model with its
     own `get_metrics_result` gets its own results."""
     parts = [restored.get(id(v)) for v in (tracker.total, tracker.count)] if tracker else [None]
-    own = type(model).get_metrics_result is not keras.Model.get_metrics_result
+    method = type(model).get_metrics_result
+    own = method is not keras.Model.get_metrics_result and not getattr(method, KERAS_RESULTS, 0)
     if None in parts or own:
         return {k: (tf.convert_to_tensor(v), False) for k, v in model.get_metrics_result().items()}
-    results = {tracker.name: (parts[0] / tf.cast(parts[1], parts[0].dtype), True)}
-    for metric in model.metrics:
-        if metric is not tracker:
-            result = metric.result()
-            result = result if isinstance(result, dict) else {metric.name: result}
-            results.update({k: (tf.convert_to_tensor(v), False) for k, v in result.items()})
+    results = {}
+    for metric in model.metrics:  # as Keras's `get_metrics_result`, in its order
+        if metric is tracker:
+            results[tracker.name] = (parts[0] / tf.cast(parts[1], parts[0].dtype), True)
+            continue
+        result = metric.result()
+        result = result if isinstance(result, dict) else {metric.name: result}
+        results.update({k: (tf.convert_to_tensor(v), False) for k, v in result.items()})
     return results
 
 
