@@ -528,6 +528,23 @@ def test_a_batch_that_is_not_dense_is_said_and_not_kept():
     assert dense.seen == 1  # the first batch, kept before
 
 
+def test_a_fit_on_batches_of_another_structure_keeps_again_after_its_next_overflow():
+    """A second `MixedPrecisionModel.fit` on `(x, y, sample_weight)` batches, where the first
+    kept `(x, y)`: said, with what happens; the keeper starts again after that fit's first
+    overflow step (step 5, not kept; the first fit's batches dropped) and keeps step 7."""
+    model, x, y = bad_run_model()
+    keeper = model.keep_overflow_batches(2)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert [k.step for k in keeper.kept] == [1, 3]
+    said = "MixedPrecisionModel.fit starts the keeper again after the next overflow step"
+    with pytest.warns(UserWarning, match=said):
+        model.fit(x, y, sample_weight=np.ones(32), batch_size=8, shuffle=False, verbose=0)
+    assert [k.step for k in keeper.kept] == [7] and keeper.seen == 1
+    batch = keeper.kept[0].batch
+    np.testing.assert_array_equal(batch[0], x[24:32])
+    np.testing.assert_array_equal(batch[2], np.ones(8))
+
+
 def test_repair_joining_diagnose_in_a_later_fit_keeps_both():
     """A dormant keeper traced for diagnose= alone holds no newest batch: when a later fit
     adds PrecisionRepair, it makes its slots again with it, and both callbacks work."""

@@ -357,7 +357,9 @@ class OverflowBatches:
                 if self.owner == "user":
                     warnings.warn(
                         "tfmixprec: batches are not kept: a batch of another structure or "
-                        "dtype than the first; call keep_overflow_batches again "
+                        "dtype than the first. MixedPrecisionModel.fit starts the keeper again "
+                        "after the next overflow step, and the batches kept so far are "
+                        "dropped; in a loop of your own, call keep_overflow_batches again. "
                         f"{docs_page('guides/why-overflow')}",
                         stacklevel=5,
                     )
