@@ -134,3 +134,50 @@ def test_a_custom_step_below_the_mixin_keeps_its_keys():
         "loss", "compile_metrics", "loss_scale", "overflow", "overflow_steps", "skipped_fraction"
     ]  # fmt: skip
     assert list(traced.structured_outputs["compile_metrics"]) == ["mae"]
+
+
+class MeanAndCount(keras.metrics.Metric):
+    """A metric whose `result()` is a dict (Keras allows it: `get_metrics_result` and the
+    callbacks' logs flatten it): the mean absolute prediction and the number of updates."""
+
+    def __init__(self, name="pred", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable((), "zeros", name="total")
+        self.updates = self.add_variable((), "zeros", name="updates")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(keras.ops.mean(keras.ops.abs(keras.ops.cast(y_pred, "float32"))))
+        self.updates.assign_add(1.0)
+
+    def result(self):
+        return {"pred_mean": self.total / self.updates, "pred_updates": self.updates * 1.0}
+
+
+@pytest.mark.parametrize("cls", [tfmixprec.MixedPrecisionFunctional, keras.Model])
+def test_a_metric_with_a_dict_result_is_logged(cls):
+    """Keras's `CompileMetrics` nests a dict result under the metric's name; a plain Keras
+    model (no tfmixprec callback) fits and logs `pred_mean`/`pred_updates`. The guard's
+    `metrics_after_guard` rebuilds the results from `model.metrics` and calls
+    `tf.convert_to_tensor` on that nested dict: TypeError "Expected any non-tensor type, but
+    got a tensor instead" while tracing, for MixedPrecisionModel and for a plain model with
+    `OverflowGuard` (also on faf1be5~1: the same line was there before)."""
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(4)(inputs))
+        model = cls(inputs, outputs)
+        opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
+        model.compile(optimizer=opt, loss="mse", metrics=[MeanAndCount()])
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 4)).astype("float32")
+    logged, own = [], []
+
+    def record(batch, logs):
+        now = model.get_metrics_result()["pred"]
+        logged.append([float(logs[k]) for k in ("pred_mean", "pred_updates")])
+        own.append([float(now[k]) for k in ("pred_mean", "pred_updates")])
+
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=record)
+    callbacks = [tfmixprec.OverflowGuard(), record]
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=callbacks)
+    assert logged == own and [row[1] for row in logged] == [1.0, 2.0]
