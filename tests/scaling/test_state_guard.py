@@ -459,7 +459,8 @@ def test_under_two_replicas_each_result_is_read_after_the_put_back(two_cpu_strat
     """Each replica traces the step in its own thread: the overflow step (batch 1) logs the
     means of step 0, bit for bit, and every step's logs are what `get_metrics_result()` says
     after it, up to the order in which the replicas' float32 totals were summed (a few ulps:
-    the step reduces each replica's result, `get_metrics_result` the summed totals)."""
+    Keras's step averages the replicas' means, `get_metrics_result` divides the summed
+    totals, the same where, as here, each replica's half of a batch weighs the same)."""
     _, logged, own = _fit_over_one_overflow(
         tfmixprec.MixedPrecisionFunctional, ["mae"], False, two_cpu_strategy
     )

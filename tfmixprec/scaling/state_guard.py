@@ -184,19 +184,24 @@ def metrics_after_guard(
     tracker, count = _loss_count(model, guarded)
     restored = {} if guarded is None or guarded.restored is None else guarded.restored
     results = _results_after_guard(model, tracker, restored)
-    nothing: list[tf.Tensor] = []  # whether no step of the epoch was applied, made once
+    made = {}  # whether no step of the epoch was applied: made once, where a result needs it
+
+    def nan_if_nothing(value: tf.Tensor) -> tf.Tensor:
+        if not value.dtype.is_floating:
+            return value
+        if not made:
+            now = restored[id(count)] if id(count) in restored else read_now(count)
+            made["nothing"] = tf.equal(now, 0)
+        return tf.where(made["nothing"], tf.constant(float("nan"), value.dtype), value)
 
     def fresh(key: str, value: Any) -> Any:
+        if key in results:  # a result (a metric's own dict of them, too)
+            value, put_back = results[key]
+            if put_back or count is None:
+                return value
+            return tf.nest.map_structure(nan_if_nothing, value)
         if isinstance(value, dict):  # a nested log (`compile_metrics`): its results again
             return {k: fresh(k, v) for k, v in value.items()}
-        if key not in results:
-            return value
-        value, put_back = results[key]
-        if not put_back and count is not None and value.dtype.is_floating:
-            if not nothing:
-                now = restored[id(count)] if id(count) in restored else read_now(count)
-                nothing.append(tf.equal(now, 0))
-            value = tf.where(nothing[0], tf.constant(float("nan"), value.dtype), value)
         return value
 
     keys = [*results, *(k for k in logs if k not in results)] if every_result else logs
@@ -210,11 +215,33 @@ _RESULTS_LATER = threading.local()
 
 def defers_results(model: keras.Model) -> bool:
     """Whether `model`'s step can leave its metric results to `metrics_after_guard`: its
-    `get_metrics_result` asks `results_deferred` (tfmixprec's), and Keras's own
-    `compute_metrics` hands them to the step's logs (a model's own may use them)."""
+    `get_metrics_result` asks `results_deferred` (tfmixprec's), no class of its own defines
+    another (`own_results`) or its own `compute_metrics` (which may use them), and none below
+    tfmixprec's in the bases defines a `train_step` (which would get no results)."""
     cls = type(model)
-    own_metrics = cls.compute_metrics is not keras.Model.compute_metrics
-    return not own_metrics and getattr(cls.get_metrics_result, KERAS_RESULTS, False)
+    if own_results(cls) or cls.compute_metrics is not keras.Model.compute_metrics:
+        return False
+    mro = cls.__mro__
+    marked = [i for i, k in enumerate(mro) if getattr(_defined(k), KERAS_RESULTS, False)]
+    below = mro[marked[0] + 1 :] if marked else ()
+    return bool(marked) and not any("train_step" in vars(k) and not _kerass(k) for k in below)
+
+
+def own_results(cls: type) -> bool:
+    """Whether a class among `cls`'s bases, other than Keras's own, defines a
+    `get_metrics_result` of its own (not tfmixprec's, which returns Keras's results)."""
+    return any(
+        _defined(k) is not None and not _kerass(k) and not getattr(_defined(k), KERAS_RESULTS, 0)
+        for k in cls.__mro__
+    )
+
+
+def _defined(cls: type) -> Any:
+    return vars(cls).get("get_metrics_result")
+
+
+def _kerass(cls: type) -> bool:
+    return cls.__module__.split(".")[0] == "keras"
 
 
 @contextlib.contextmanager
@@ -261,10 +288,8 @@ def _results_after_guard(
     is their quotient, 0 / 0 = nan (Keras's `Mean` divides with no nan: 0). A model with its
     own `get_metrics_result` gets its own results."""
     parts = [restored.get(id(v)) for v in (tracker.total, tracker.count)] if tracker else [None]
-    method = type(model).get_metrics_result
-    own = method is not keras.Model.get_metrics_result and not getattr(method, KERAS_RESULTS, 0)
-    if None in parts or own:
-        return {k: (tf.convert_to_tensor(v), False) for k, v in model.get_metrics_result().items()}
+    if None in parts or own_results(type(model)):
+        return {k: (_tensors(v), False) for k, v in model.get_metrics_result().items()}
     results = {}
     for metric in model.metrics:  # as Keras's `get_metrics_result`, in its order
         if metric is tracker:
@@ -272,8 +297,13 @@ def _results_after_guard(
             continue
         result = metric.result()
         result = result if isinstance(result, dict) else {metric.name: result}
-        results.update({k: (tf.convert_to_tensor(v), False) for k, v in result.items()})
+        results.update({k: (_tensors(v), False) for k, v in result.items()})
     return results
+
+
+def _tensors(result: Any) -> Any:
+    """A result as tensors: a metric's result may be a dict of them (Keras logs it nested)."""
+    return tf.nest.map_structure(tf.convert_to_tensor, result)
 
 
 def mark_unapplied_epoch(model: keras.Model, logs: dict | None) -> None:
