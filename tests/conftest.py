@@ -48,8 +48,9 @@ def tensorboard_server():
 # The files whose tests take longest in all (summed over a `-n 2` run), longest first.
 # `--dist loadfile` hands each pytest process one file at a time, by default the files with the
 # most tests first, which left the slow files of few tests (benchmarks, examples) to the end
-# of one process while the other had nothing left to run (about 60 s of 660 in one run). The
-# longest run first and the short files fill in at the end. Only the order changes.
+# of one process while the other had nothing left to run (in one run of 660 s, the two ended
+# about a minute apart). The longest run first and the short files fill in at the end. Only
+# the order changes.
 LONGEST_FIRST = (
     "tests/tools/test_benchmarks.py",
     "tests/tools/test_benchmarks_zoo.py",
