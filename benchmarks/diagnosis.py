@@ -116,6 +116,9 @@ def run_case(name: str) -> tuple[str, tfmixprec.OverflowDiagnosis]:
     keras.utils.set_random_seed(0)
     with tfmixprec.policy_scope("mixed_float16"):
         model, (x, y), expected = CASES[name]()
+        # The optimizer's variables now, as Keras makes them under a distribution strategy: left to
+        # the first `fit`, its first trace makes them and TensorFlow traces the step again.
+        model.optimizer.build(model.trainable_variables)
         model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)  # one step on the batch
     report = tfmixprec.overflow_report(model)
     diagnosis = tfmixprec.explain_overflow(model, (x, y))

@@ -79,6 +79,9 @@ def run(name: str, variant: str, args: argparse.Namespace) -> tuple[int, float, 
             model.quantize("float8")
     optimizer = keras.optimizers.Adam(args.learning_rate)
     model.compile(optimizer=optimizer, loss=loss, weighted_metrics=[])
+    # The optimizer's variables now, as Keras makes them under a distribution strategy: left to
+    # the first `fit`, its first trace makes them and TensorFlow traces the step again.
+    optimizer.build(model.trainable_variables)
     history = model.fit(x, y, sample_weight=w, batch_size=batch, verbose=0, shuffle=False)
     final = model.evaluate(x, y, sample_weight=w, batch_size=batch, verbose=0)
     final = final[0] if isinstance(final, list) else final
@@ -124,6 +127,7 @@ def growth_table(steps: int) -> list[str]:
     inner = keras.optimizers.Adam(1e-3)
     optimizer = tfmixprec.LossScaleOptimizer(inner, initial_scale=2.0**10, dynamic_growth_steps=5)
     model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    optimizer.build(model.trainable_variables)  # as in `run`: one trace of the step
     monitor, scales = tfmixprec.Float8Monitor(update_freq=1), []
     read = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda b, logs: scales.append(optimizer.read_state()["loss_scale"])

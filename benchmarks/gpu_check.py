@@ -157,6 +157,9 @@ def build(row: Variant, args: argparse.Namespace) -> None:
     elif row.policy == "mixed_float16":
         row.note = "tfmixprec LSO"
     entry.model.compile(optimizer=_optimizer(row.policy), loss=entry.loss, jit_compile=row.xla)
+    # The optimizer's variables now, as Keras makes them under a distribution strategy: left to
+    # the first `fit`, its first trace makes them and TensorFlow traces the step again.
+    entry.model.optimizer.build(entry.model.trainable_variables)
     batch = entry.batch_size if args.smoke else args.batch or BATCH[row.model]
     row.net, row.data, row.batch = entry.model, _dataset(entry, batch), batch
 

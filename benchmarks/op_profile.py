@@ -111,6 +111,9 @@ def build(args: argparse.Namespace, stack: str) -> tuple[Any, Any, list]:
     with tfmixprec.policy_scope(policy):
         entry = zoo.build(args.model, size=args.size)
         entry.model.compile(optimizer="adam", loss=entry.loss)
+        # The optimizer's variables now, as Keras makes them under a distribution strategy: left to
+        # the first `fit`, its first trace makes them and TensorFlow traces the step again.
+        entry.model.optimizer.build(entry.model.trainable_variables)
     routes = tfmixprec.cpu_bfloat16.routes_on()
     if stack == "bf16 tfmixprec":
         tfmixprec.cpu_bfloat16.fast_bfloat16_layers(entry.model)

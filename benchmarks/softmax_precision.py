@@ -156,6 +156,9 @@ def _losses(policy: str, softmax_in_float32: bool, steps: int, size: dict) -> li
     if policy == "mixed_float16":
         optimizer = tfmixprec.LossScaleOptimizer(optimizer)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(True))
+    # The optimizer's variables now, as Keras makes them under a distribution strategy: left to
+    # the first `fit`, its first trace makes them and TensorFlow traces the step again.
+    model.optimizer.build(model.trainable_variables)
     # A learnable task: each sequence counts up from a random start by a random stride.
     rng, top = np.random.default_rng(1), size["vocabulary"] - 1
     start = rng.integers(0, top, (steps * 8, 1))

@@ -81,6 +81,9 @@ def worker_main(args: argparse.Namespace) -> None:
     with tfmixprec.policy_scope(POLICY[dtype]):
         entry = zoo.build(name, size=args.size)
         entry.model.compile(optimizer="adam", loss=entry.loss)
+        # The optimizer's variables now, as Keras makes them under a distribution strategy: left to
+        # the first `fit`, its first trace makes them and TensorFlow traces the step again.
+        entry.model.optimizer.build(entry.model.trainable_variables)
     model, callbacks, routed = entry.model, [], []
     if through == "tfmixprec":
         callbacks = [tfmixprec.LossScaleMonitor(), tfmixprec.OverflowGuard(verbose=0)]

@@ -5,14 +5,14 @@ both processes).
 `run_here` runs it in the test's process (`python benchmarks/<script>` as `runpy` runs it): no
 second start of TensorFlow and KerasHub (5-10 s each on 2 cores), for the scripts that change
 nothing of the process but what it puts back (the global policy, grappler's options and
-tfmixprec's float16 switches, Python's warning filters). `run` starts a fresh Python, for a
-script that sets what no test may set (threads, logical devices, `TF_CONFIG`)."""
+tfmixprec's float16 switches, Python's warning filters). A script that sets what no test may
+set (threads, logical devices, `TF_CONFIG`) does it in processes it starts itself
+(`multi_worker.py`'s workers)."""
 
 import contextlib
 import io
 import os
 import runpy
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -22,21 +22,6 @@ import keras
 from tfmixprec.precision import cpu_float16
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run(script, *args):
-    """`benchmarks/<script> args...` in a fresh Python from the repository's root; its stdout,
-    after checking that it exits 0 (its stderr's end in the message if not)."""
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
 
 
 @contextlib.contextmanager

@@ -43,3 +43,49 @@ def tensorboard_server():
     servers = []
     yield lambda log_dir: start_tensorboard(log_dir, servers)
     stop(servers)
+
+
+# The files whose tests take longest in all (summed over a `-n 2` run), longest first.
+# `--dist loadfile` hands each pytest process one file at a time, by default the files with the
+# most tests first, which left the slow files of few tests (benchmarks, examples) to the end
+# of one process while the other had nothing left to run (in one run of 660 s, the two ended
+# about a minute apart). The longest run first and the short files fill in at the end. Only
+# the order changes.
+LONGEST_FIRST = (
+    "tests/tools/test_benchmarks.py",
+    "tests/tools/test_benchmarks_zoo.py",
+    "tests/test_examples.py",
+    "tests/fit/test_training.py",
+    "tests/test_docs.py",
+    "tests/tools/test_cli.py",
+    "tests/fit/test_repair.py",
+    "tests/fit/test_tensorboard.py",
+    "tests/precision/test_float8.py",
+    "tests/fit/test_multi_worker.py",
+    "tests/tools/test_zoo_encoders.py",
+    "tests/tools/test_zoo_decoders.py",
+    "tests/scaling/test_state_file.py",
+)
+
+
+def pytest_configure(config):
+    """Under `--dist loadfile`, pytest-xdist takes the files in the order they were collected
+    (`pytest_collection_modifyitems` below), not by their number of tests."""
+    if getattr(config.option, "dist", None) == "loadfile":
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of `LONGEST_FIRST` first, in its order, then the others by their number of
+    tests, most first (pytest-xdist's own order); each file's tests in their own order."""
+    files = [item.nodeid.split("::", 1)[0] for item in items]
+    count = {name: files.count(name) for name in set(files)}
+
+    def rank(name):
+        if name in LONGEST_FIRST:
+            return (LONGEST_FIRST.index(name), 0, name)
+        return (len(LONGEST_FIRST), -count[name], name)
+
+    order = {name: rank(name) for name in count}
+    position = {id(item): (order[name], i) for i, (item, name) in enumerate(zip(items, files))}
+    items.sort(key=lambda item: position[id(item)])

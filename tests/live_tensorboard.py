@@ -50,7 +50,7 @@ def start_tensorboard(log_dir, servers):
                 return port
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     pytest.fail("tensorboard did not serve the run within 90 s")
 
 

@@ -1,12 +1,13 @@
 """Smoke runs of the benchmark scripts at tiny sizes: they keep working. No timing is asserted.
-Each runs in this process (`benchmark_runs.run_here`), `multi_worker.py` in its own (it sets
-threads and starts workers). The scripts on KerasHub's models are in `test_benchmarks_zoo.py`
-(two files, so that pytest-xdist's `--dist loadfile` runs them in both processes)."""
+Each runs in this process (`benchmark_runs.run_here`); `multi_worker.py`'s workers run in
+processes of their own, which it starts (they set threads and `TF_CONFIG`). The scripts on
+KerasHub's models are in `test_benchmarks_zoo.py` (two files, so that pytest-xdist's
+`--dist loadfile` runs them in both processes)."""
 
 import re
 
 import pytest
-from benchmark_runs import run, run_here
+from benchmark_runs import run_here
 
 import tfmixprec
 
@@ -100,7 +101,7 @@ def test_diagnosis_names_every_case():
 
 
 def test_multi_worker_smoke():
-    out = run("multi_worker.py", "--smoke")
+    out = run_here("multi_worker.py", "--smoke")
     rows = [line.split()[0] for line in out.splitlines() if "ms/step" in line]
     assert rows == ["plain", "mwms-1", "mwms-2"]
     assert "round 0: 2 workers' weights bit-identical: True;" in out
