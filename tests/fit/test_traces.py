@@ -2,6 +2,7 @@
 function once in a model's first `fit`, and a later `fit` with the same callbacks runs that
 trace again (a new trace runs its first steps slower: benchmarks/RESULTS.md, section 1)."""
 
+import functools
 import importlib.util
 import tempfile
 import warnings
@@ -62,3 +63,33 @@ def test_the_count_sees_a_new_trace():
         model.fit(cases.X, cases.Y, batch_size=batch_size, verbose=0, callbacks=[_Traces(seen)])
     assert [count for _, count in seen] == [1, 2, 2]
     assert seen[0][0] is seen[2][0]
+
+
+def _python_traces(model, **fit_args):
+    """How often `fit` ran the Python of `model`'s train step (once a trace)."""
+    calls, step = [], model.train_step
+    model.train_step = lambda data: calls.append(1) or step(data)
+    try:
+        model.fit(cases.X, cases.Y, batch_size=32, verbose=0, **fit_args)
+    finally:
+        del model.train_step
+    return len(calls)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_mixed_precision_models_first_fit_traces_its_step_once(jit_compile):
+    """Keras makes the optimizer's variables in the step's first trace, and TensorFlow, seeing
+    variables made, traces it again; `MixedPrecisionModel.fit` makes them first (the model is
+    built): one trace, the same variables, and the same weights after the fit as when they
+    are made in the trace (a plain fit of the same model's weights, bit for bit)."""
+    _, build, _ = cases.CASES["MixedPrecisionModel"]
+    model = build(jit_compile)
+    assert not model.optimizer.built
+    assert _python_traces(model) == 1 and model.optimizer.built
+    twice = build(jit_compile)
+    twice.fit = functools.partial(keras.Model.fit, twice)  # Keras's own: none made first
+    assert _python_traces(twice) == 2
+    names = [[v.name for v in m.optimizer.variables] for m in (model, twice)]
+    assert names[0] == names[1] and len(names[0]) > 12  # the slots too, in the same order
+    for ours, theirs in zip(model.weights, twice.weights):
+        assert ours.numpy().tobytes() == theirs.numpy().tobytes()

@@ -188,6 +188,17 @@ def _with_fit_watch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "callbacks": callbacks}
 
 
+def _build_optimizer_first(model: Any) -> None:
+    """The optimizer's variables made before `fit` traces the step, where the model is built
+    and no strategy is in use (Keras makes them itself under one): else Keras makes them in
+    the step's first trace, and TensorFlow, seeing variables made, traces the step again."""
+    optimizer = model.optimizer
+    if optimizer.built or not model.built or tf.distribute.has_strategy():
+        return
+    if model.distribute_strategy is tf.distribute.get_strategy():  # the model's: none
+        optimizer.build(model.trainable_variables)
+
+
 class MixedPrecisionMixin(MultiWorkerFit):
     """Gives a Keras model class tfmixprec's mixed-precision `train_step` and `compile`.
 
@@ -222,9 +233,12 @@ class MixedPrecisionMixin(MultiWorkerFit):
     def fit(self, *args: Any, **kwargs: Any) -> keras.callbacks.History:
         """`keras.Model.fit`, plus (see `tfmixprec.fit.hooks.FitWatch`) the epoch's number of
         overflow steps as `overflow` in the epoch logs and a check of `on_min_scale` every 50
-        batches."""
+        batches. The optimizer's variables are made first where the model is built, so that
+        the step is traced once (Keras makes them in its first trace, which TensorFlow then
+        traces again)."""
         if isinstance(getattr(self, "optimizer", None), LossScaleOptimizer):
             args, kwargs = _with_fit_watch(args, kwargs)
+            _build_optimizer_first(self)
         try:
             return super().fit(*args, **kwargs)
         finally:  # Keras skips on_train_end when fit raises: the callbacks' keeping ends here
