@@ -93,3 +93,41 @@ def test_a_mixed_precision_models_first_fit_traces_its_step_once(jit_compile):
     assert names[0] == names[1] and len(names[0]) > 12  # the slots too, in the same order
     for ours, theirs in zip(model.weights, twice.weights):
         assert ours.numpy().tobytes() == theirs.numpy().tobytes()
+
+
+def _first_fit_traces(kind, callbacks):
+    """How often the first `fit` of a `kind` model traced its forward pass (a layer whose
+    Python counts its calls), with `callbacks`."""
+    calls = []
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Lambda(lambda t: calls.append(1) or t)(keras.layers.Dense(4)(inputs))
+        outputs = keras.layers.Dense(1, dtype="float32")(hidden)
+        cls = tfmixprec.MixedPrecisionModel if kind == "MixedPrecisionModel" else keras.Model
+        model = cls(inputs, outputs)
+    optimizer = {
+        "MixedPrecisionModel": "adam",
+        "keras.Model": tfmixprec.LossScaleOptimizer(keras.optimizers.Adam()),
+        "adopted": keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
+    }[kind]
+    model.compile(optimizer, "mse")
+    before = len(calls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # adoption's line: said elsewhere
+        model.fit(cases.X, cases.Y, batch_size=32, verbose=0, callbacks=callbacks())
+    return len(calls) - before
+
+
+@pytest.mark.parametrize(
+    "kind, callbacks, traces",
+    [
+        ("MixedPrecisionModel", list, 1),
+        ("keras.Model", lambda: [tfmixprec.LossScaleMonitor()], 1),
+        ("adopted", lambda: [tfmixprec.OverflowGuard()], 1),
+        ("keras.Model", list, 2),  # Keras's own fit, with nothing of tfmixprec's in it
+    ],
+)
+def test_a_first_fit_with_tfmixprec_traces_once(kind, callbacks, traces):
+    """`MixedPrecisionModel.fit` and the callbacks' `on_train_begin` make the optimizer's
+    variables before the first trace (the adopted optimizer's too)."""
+    assert _first_fit_traces(kind, callbacks) == traces

@@ -27,7 +27,7 @@ from tfmixprec._keras.patches import patch
 from tfmixprec.precision import cpu_bfloat16, cpu_float16
 from tfmixprec.precision.cpu_route import route_of
 from tfmixprec.scaling.loss_scale import format_scale
-from tfmixprec.scaling.optimizer import LossScaleOptimizer
+from tfmixprec.scaling.optimizer import LossScaleOptimizer, build_before_fit
 from tfmixprec.scaling.state_guard import guarded_step
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
@@ -69,10 +69,13 @@ def adopt_at_train_begin(model: Any, who: str) -> LossScaleOptimizer | None:
     scaling needed (bfloat16, float32), or a warning that float16 without it underflows.
     """
     optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and not isinstance(
+        optimizer, LossScaleOptimizer
+    ):
+        optimizer = _adopt(model, optimizer, who)
     if isinstance(optimizer, LossScaleOptimizer):
+        build_before_fit(model)  # the step traced once, not twice
         return optimizer
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return _adopt(model, optimizer, who)
     dtype, name = _compute_dtype(model), type(optimizer).__name__
     if dtype == "float16":
         line = (

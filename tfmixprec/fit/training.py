@@ -32,7 +32,7 @@ from tfmixprec.fit.overflow_batches import (
 )
 from tfmixprec.precision import cpu_bfloat16, cpu_float16
 from tfmixprec.scaling.loss_scale import default_config
-from tfmixprec.scaling.optimizer import LossScaleOptimizer
+from tfmixprec.scaling.optimizer import LossScaleOptimizer, build_before_fit
 from tfmixprec.scaling.optimizer_args import resolve_optimizer
 from tfmixprec.scaling.state_guard import (
     KERAS_RESULTS,
@@ -188,17 +188,6 @@ def _with_fit_watch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "callbacks": callbacks}
 
 
-def _build_optimizer_first(model: Any) -> None:
-    """The optimizer's variables made before `fit` traces the step, where the model is built
-    and no strategy is in use (Keras makes them itself under one): else Keras makes them in
-    the step's first trace, and TensorFlow, seeing variables made, traces the step again."""
-    optimizer = model.optimizer
-    if optimizer.built or not model.built or tf.distribute.has_strategy():
-        return
-    if model.distribute_strategy is tf.distribute.get_strategy():  # the model's: none
-        optimizer.build(model.trainable_variables)
-
-
 class MixedPrecisionMixin(MultiWorkerFit):
     """Gives a Keras model class tfmixprec's mixed-precision `train_step` and `compile`.
 
@@ -238,7 +227,7 @@ class MixedPrecisionMixin(MultiWorkerFit):
         traces again)."""
         if isinstance(getattr(self, "optimizer", None), LossScaleOptimizer):
             args, kwargs = _with_fit_watch(args, kwargs)
-            _build_optimizer_first(self)
+            build_before_fit(self)
         try:
             return super().fit(*args, **kwargs)
         finally:  # Keras skips on_train_end when fit raises: the callbacks' keeping ends here

@@ -666,3 +666,15 @@ def _from_keras(cls: type, keras_optimizer: Any, kwargs: dict[str, Any]) -> Loss
         new.loss_scale.assign(keras_optimizer.dynamic_scale)
         new.good_steps.assign(keras_optimizer.step_counter)
     return new
+
+
+def build_before_fit(model: Any) -> None:
+    """Makes `model`'s optimizer's variables before `fit` traces the step, where the model is
+    built and no strategy is in use (Keras makes them itself under one): else Keras makes
+    them in the step's first trace, and TensorFlow, seeing variables made, traces the step
+    again (`MixedPrecisionModel.fit` and the callbacks' `on_train_begin` call it)."""
+    optimizer = model.optimizer
+    if optimizer.built or not model.built or tf.distribute.has_strategy():
+        return
+    if model.distribute_strategy is tf.distribute.get_strategy():  # the model's: none
+        optimizer.build(model.trainable_variables)
