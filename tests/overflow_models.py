@@ -1,11 +1,13 @@
 """Small float16 models whose values pass 65504 in one known way (finite in float32), shared
 by test_calibration and test_repair; a run with an overflow and bad data (diagnosis, the
-keeper); a tiny KerasHub MoE decoder whose training call mixes dtypes (model code, audit)."""
+keeper); a tiny KerasHub MoE decoder whose training call mixes dtypes (model code, audit); a fit
+over one overflow step with its logs and the Keras guide's custom step (the guarded logs)."""
 
 import contextlib
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import tfmixprec
 
@@ -142,3 +144,55 @@ def tiny_moe(backbone, task):
         model = task(backbone=backbone(common), preprocessor=None)
         model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
+
+
+def fit_over_one_overflow(cls, metrics, jit_compile, strategy=None):
+    """A `cls` model fitted on 4 batches, batch 1 overflowing (past float16's range in the
+    forward pass), with `OverflowGuard`; each step's logs (None for a key they lack) and what
+    `get_metrics_result()` said after each."""
+    keras.utils.set_random_seed(0)
+    with (
+        tfmixprec.policy_scope("mixed_float16"),
+        (strategy or tf.distribute.get_strategy()).scope(),
+    ):
+        inputs = keras.Input((3,))
+        outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(4)(inputs))
+        model = cls(inputs, outputs, name="one_overflow")
+        opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
+        model.compile(optimizer=opt, loss="mse", metrics=metrics, jit_compile=jit_compile)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
+    x[4, 0] = 1e6
+    logged, own = [], []
+
+    def record(batch, logs):  # float32, as the step computes (Keras 3.12 gives Python floats)
+        now = {k: float(np.float32(v)) for k, v in model.get_metrics_result().items()}
+        logged.append({k: float(logs[k]) if k in logs else None for k in now})
+        own.append(now)
+
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=record)
+    callbacks = [tfmixprec.OverflowGuard(), record]
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=callbacks)
+    assert model.optimizer.read_state()["overflow_steps"] == 1
+    return model, logged, own
+
+
+class NestedLogsModel(keras.Model):
+    """The Keras 3 guide's custom `train_step` ("Customizing what happens in fit()" with
+    TensorFlow): every metric updated by hand, `{m.name: m.result()}` returned, so the
+    compiled metrics come as one nested dict under `compile_metrics`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}

@@ -12,35 +12,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from overflow_models import NestedLogsModel, fit_over_one_overflow
 
 import tfmixprec
 from tfmixprec.fit.training import MixedPrecisionMixin
-
-
-def _fit_over_one_overflow(cls, metrics, jit_compile):
-    """A functional `cls` model fitted on 4 batches, batch 1 overflowing; each step's logs
-    (None for a key they lack) and what `get_metrics_result()` said after each."""
-    keras.utils.set_random_seed(0)
-    with tfmixprec.policy_scope("mixed_float16"):
-        inputs = keras.Input((3,))
-        outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(4)(inputs))
-        model = cls(inputs, outputs, name="r2")
-        opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
-        model.compile(optimizer=opt, loss="mse", metrics=metrics, jit_compile=jit_compile)
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
-    x[4, 0] = 1e6
-    logged, own = [], []
-
-    def record(batch, logs):
-        now = {k: float(np.float32(v)) for k, v in model.get_metrics_result().items()}
-        logged.append({k: float(logs[k]) if k in logs else None for k in now})
-        own.append(now)
-
-    record = keras.callbacks.LambdaCallback(on_train_batch_end=record)
-    model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=[record])
-    assert model.optimizer.read_state()["overflow_steps"] == 1
-    return model, logged, own
 
 
 class RmseResults(keras.Model):
@@ -62,7 +37,7 @@ class MixedRmseResults(MixedPrecisionMixin, RmseResults):
 def test_a_get_metrics_result_below_the_mixin_is_in_the_logs(jit_compile):
     """`RmseResults.get_metrics_result` (below the mixin) is what the model says after each
     step, `rmse` included: the step's logs are that, read after the guard."""
-    _, logged, own = _fit_over_one_overflow(MixedRmseResults, ["mse"], jit_compile)
+    _, logged, own = fit_over_one_overflow(MixedRmseResults, ["mse"], jit_compile)
     assert [row["rmse"] for row in own] == [pytest.approx(np.sqrt(r["mse"])) for r in own]
     assert logged == own
 
@@ -86,42 +61,21 @@ class MixedDerivedLogsStep(MixedPrecisionMixin, DerivedLogsStep):
 def test_a_train_step_below_the_mixin_gets_kerass_logs(jit_compile):
     """A `train_step` between the mixin and Keras's gets Keras's logs from
     `super().train_step(data)` (its `mse`), and its own `rmse` is in the step's logs."""
-    model, logged, own = _fit_over_one_overflow(MixedDerivedLogsStep, ["mse"], jit_compile)
+    model, logged, own = fit_over_one_overflow(MixedDerivedLogsStep, ["mse"], jit_compile)
     assert logged == own
     spec = (tf.TensorSpec([4, 3]), tf.TensorSpec([4, 4]))
     traced = tf.function(model.train_step).get_concrete_function(spec)
     assert "rmse" in traced.structured_outputs
 
 
-class NestedLogsStep(keras.Model):
-    """The Keras 3 guide's custom `train_step` ("Customizing what happens in fit()"): every
-    metric updated by hand, `{m.name: m.result()}` returned, so the compiled metrics come as
-    one nested dict under `compile_metrics`."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-            scaled = self.optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, self.trainable_variables)
-        self.optimizer.apply(grads, self.trainable_variables)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
-
-
-class MixedNestedLogsStep(MixedPrecisionMixin, NestedLogsStep):
+class MixedNestedLogsStep(MixedPrecisionMixin, NestedLogsModel):
     """The mixin before the guide's step."""
 
 
 def test_a_custom_step_below_the_mixin_keeps_its_keys():
     """The guide's step returns `loss` and `compile_metrics` (nested); the mixin's step adds
     only the loss scale's keys, not each result flat besides them."""
-    model, logged, own = _fit_over_one_overflow(MixedNestedLogsStep, ["mae"], False)
+    model, logged, own = fit_over_one_overflow(MixedNestedLogsStep, ["mae"], False)
     assert logged == own
     spec = (tf.TensorSpec([4, 3]), tf.TensorSpec([4, 4]))
     traced = tf.function(model.train_step).get_concrete_function(spec)

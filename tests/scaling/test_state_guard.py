@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from overflow_models import NestedLogsModel, fit_over_one_overflow
 
 import tfmixprec
 
@@ -395,7 +396,7 @@ def test_the_logs_follow_an_overridden_get_metrics_result(kind, jit_compile):
     model's own `get_metrics_result()` says after it, bit for bit: the guard does not read
     each `metric.result()` itself where the model reports its results its own way."""
     base = keras.Model if kind == "keras.Model" else tfmixprec.MixedPrecisionFunctional
-    model, logged, own = _fit_over_one_overflow(_derived(base), ["mse", "mae"], jit_compile)
+    model, logged, own = fit_over_one_overflow(_derived(base), ["mse", "mae"], jit_compile)
     assert np.isfinite([row["rmse"] for row in logged]).all(), logged
     assert logged == own
 
@@ -431,7 +432,7 @@ def test_a_mixed_precision_models_step_reads_each_result_once(jit_compile):
     metrics back (inside it, Keras's `compute_metrics` gets no results), and logs them as
     Keras's own step would: its keys, in its order, then the loss scale's."""
     metric = CountedMAE(name="mae")
-    model, logged, own = _fit_over_one_overflow(
+    model, logged, own = fit_over_one_overflow(
         tfmixprec.MixedPrecisionFunctional, ["mse", metric], jit_compile
     )
     assert logged == own and np.isfinite([row["mae"] for row in logged]).all()
@@ -450,7 +451,7 @@ def test_a_models_own_compute_metrics_gets_kerass_results(jit_compile):
     """A `compute_metrics` of the model's own reads Keras's results from `super()` (they are
     not left out of its step): batch 1 overflows and is put back, and each step logs what
     `get_metrics_result()` says after it, its own metric's too."""
-    model, logged, own = _fit_over_one_overflow(OwnComputeMetrics, ["mae"], jit_compile)
+    model, logged, own = fit_over_one_overflow(OwnComputeMetrics, ["mae"], jit_compile)
     assert sorted(logged[0]) == ["extra", "loss", "mae"]  # in `model.metrics`'s order (Keras's)
     assert logged == own and np.isfinite([row["extra"] for row in logged]).all()
 
@@ -461,7 +462,7 @@ def test_under_two_replicas_each_result_is_read_after_the_put_back(two_cpu_strat
     after it, up to the order in which the replicas' float32 totals were summed (a few ulps:
     Keras's step averages the replicas' means, `get_metrics_result` divides the summed
     totals, the same where, as here, each replica's half of a batch weighs the same)."""
-    _, logged, own = _fit_over_one_overflow(
+    _, logged, own = fit_over_one_overflow(
         tfmixprec.MixedPrecisionFunctional, ["mae"], False, two_cpu_strategy
     )
     assert list(logged[0]) == ["loss", "mae"] and logged[1] == logged[0]
@@ -470,61 +471,10 @@ def test_under_two_replicas_each_result_is_read_after_the_put_back(two_cpu_strat
     np.testing.assert_allclose(rows[: len(logged)], rows[len(logged) :], rtol=4 * eps, atol=0)
 
 
-def _fit_over_one_overflow(cls, metrics, jit_compile, strategy=None):
-    """A `cls` model fitted on 4 batches, batch 1 overflowing (past float16's range in the
-    forward pass); each step's logs, and what `get_metrics_result()` said after each."""
-    keras.utils.set_random_seed(0)
-    with (
-        tfmixprec.policy_scope("mixed_float16"),
-        (strategy or tf.distribute.get_strategy()).scope(),
-    ):
-        inputs = keras.Input((3,))
-        outputs = keras.layers.Dense(4, dtype="float32")(keras.layers.Dense(4)(inputs))
-        model = cls(inputs, outputs, name="one_overflow")
-        opt = tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0, dynamic=False)
-        model.compile(optimizer=opt, loss="mse", metrics=metrics, jit_compile=jit_compile)
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
-    x[4, 0] = 1e6
-    logged, own = [], []
-
-    def record(batch, logs):  # float32, as the step computes (Keras 3.12 gives Python floats)
-        now = {k: float(np.float32(v)) for k, v in model.get_metrics_result().items()}
-        logged.append({k: float(logs[k]) for k in now})
-        own.append(now)
-
-    record = keras.callbacks.LambdaCallback(on_train_batch_end=record)
-    callbacks = [tfmixprec.OverflowGuard(), record]
-    model.fit(x, y, batch_size=4, shuffle=False, verbose=0, callbacks=callbacks)
-    assert model.optimizer.read_state()["overflow_steps"] == 1
-    return model, logged, own
-
-
-class NestedLogsModel(keras.Model):
-    """The Keras 3 guide's custom `train_step` ("Customizing what happens in fit()" with
-    TensorFlow): every metric updated by hand, `{m.name: m.result()}` returned, so the
-    compiled metrics come as one nested dict under `compile_metrics`."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-            scaled = self.optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, self.trainable_variables)
-        self.optimizer.apply(grads, self.trainable_variables)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
-
-
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_a_nested_compile_metrics_log_is_read_after_the_put_back(jit_compile):
     """Batch 1 overflows and is put back: its `mae` log is the mean over the applied steps
     (what `get_metrics_result()` says after it), though the step logs it inside a nested
     `compile_metrics` dict (it was the nan read inside the guard)."""
-    _, logged, own = _fit_over_one_overflow(NestedLogsModel, ["mae"], jit_compile)
+    _, logged, own = fit_over_one_overflow(NestedLogsModel, ["mae"], jit_compile)
     assert logged == own
