@@ -8,6 +8,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from overflow_models import bad_run_model, overflowing
 from overflow_models import model as overflow_model
 from tensorflow.python.framework import ops as tf_ops
@@ -21,13 +22,11 @@ WRITES = ("Tile", "ResourceScatterNdUpdate", "ResourceScatterUpdate")
 
 def _writes(graph, seen=None):
     """The ops of a traced step (and the functions it calls) that copy rows of the batch:
-    `(op type, rows written)`, the rows from the static shape of what is written (the
-    keeper's record of the step, a few numbers into its table, is no copy of the batch)."""
+    `(op type, rows written)`, the rows from the static shape of what is written."""
     seen = set() if seen is None else seen
     found = []
     for op in graph.get_operations():
-        skip = "gradient_tape" in op.name or "keeper_record" in op.name
-        if op.type in WRITES and not skip:
+        if op.type in WRITES and "gradient_tape" not in op.name:
             written = op.outputs[0] if op.type == "Tile" else op.inputs[2]
             found.append((op.type, written.shape[0]))
         for attr in ("f", "then_branch", "else_branch"):
@@ -70,11 +69,11 @@ def _armed(kind, jit_compile, callbacks):
     ids=["repair", "diagnose=1", "both"],
 )
 def test_one_row_of_the_batch_a_step_whoever_keeps(kind, jit_compile, callbacks):
-    """Each tensor of the batch (x and y) is written into one row a step, with one scatter:
-    no tiled copies, however many slots (before: with PrecisionRepair, two tiled rows
+    """The batch (x and y, and the step's record) is written into one row a step, with one
+    scatter: no tiled copies, however many slots (before: with PrecisionRepair, two tiled rows
     scattered into two rows, 4 batch copies a step against diagnose=1's one)."""
     model = _armed(kind, jit_compile, callbacks)
-    assert _writes(traced_train_functions(model)[-1].graph) == [("ResourceScatterUpdate", 1)] * 2
+    assert _writes(traced_train_functions(model)[-1].graph) == [("ResourceScatterUpdate", 1)]
 
 
 def _uint8_model():
@@ -117,8 +116,63 @@ def test_narrow_integers_and_bool_are_kept_in_their_own_dtype(jit_compile):
     assert (x_kept.dtype, flag_kept.dtype) == (np.uint8, np.bool_)
     np.testing.assert_array_equal(x_kept, x[8:16])
     np.testing.assert_array_equal(flag_kept, flag[8:16])
-    # Three rows a tensor (the slot, the newest overflow's, one more) of a batch of 8.
-    assert keeper.nbytes == 3 * 8 * (8 * 1 + 1 * 1 + 1 * 4)
+    # Three rows (the slot, the newest overflow's, one more), each the step's record (20
+    # bytes), the three tensors' shapes (2 int64 each), and the batch of 8: one byte a uint8
+    # and a bool, four a float32 (each tensor's bytes a whole number of 4-byte words here).
+    assert keeper.nbytes == 3 * (20 + 3 * 2 * 8 + 8 * (8 * 1 + 1 * 1 + 1 * 4))
+
+
+def _odd_bytes_model():
+    """Three inputs whose bytes a row are no whole number of 4-byte words: 3 uint8, 1 bool, 5
+    float16 (10 bytes). A 255 in the uint8 input overflows float16 (3 x 255 x 300)."""
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        image = keras.Input((3,), dtype="uint8")
+        flag = keras.Input((1,), dtype="bool")
+        extra = keras.Input((5,), dtype="float16")
+        hidden = keras.layers.Dense(16, name="big", kernel_initializer="ones")(
+            keras.ops.cast(image, "float32") * 300.0
+        )
+        hidden = hidden * keras.ops.cast(flag, hidden.dtype)
+        hidden = hidden + 0.0 * keras.ops.sum(keras.ops.cast(extra, hidden.dtype))
+        small = keras.initializers.Constant(1e-4)
+        outputs = keras.layers.Dense(1, name="out", dtype="float32", kernel_initializer=small)(
+            hidden
+        )
+        model = tfmixprec.MixedPrecisionModel([image, flag, extra], outputs)
+        model.compile(tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0), "mse")
+    return model
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_bytes_of_no_whole_word_come_back_exactly(jit_compile):
+    """Tensors whose bytes are no whole number of 4-byte words (odd uint8 and bool counts, a
+    float16 input), in batches of 7 whose size the step does not know, the last one ragged
+    (4 rows): each kept batch comes back bit for bit, in its dtypes and shapes. Bytes that
+    read as a NaN or a subnormal float32 (255s, small integers) too: the rows' words are
+    moved, never computed on."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 3, size=(32, 3)).astype("uint8")
+    image[9] = image[30] = 255  # batch 1 (rows 7..13) and the ragged batch 4 (rows 28..31)
+    flag = rng.integers(0, 2, size=(32, 1)).astype(bool)
+    flag[9] = flag[30] = True
+    extra = rng.normal(size=(32, 5)).astype("float16")
+    extra[0, 0] = np.float16(6e-8)  # float16's smallest subnormal, kept as its bits
+    y = np.ones((32, 1), "float32")
+    model = _odd_bytes_model()
+    model.jit_compile = jit_compile
+    keeper = model.keep_overflow_batches(5)
+    data = tf.data.Dataset.from_tensor_slices(((image, flag, extra), y)).batch(7)
+    model.fit(data, verbose=0)
+    steps = [k.step for k in keeper.kept]
+    assert {1, 4} <= set(steps) and keeper.kept[0].scale == 8.0, steps
+    for kept in keeper.kept:
+        rows = slice(7 * kept.step, 7 * kept.step + 7)
+        (got_image, got_flag, got_extra), got_y, weight = kept.batch
+        assert weight is None
+        for got, want in [(got_image, image), (got_flag, flag), (got_extra, extra), (got_y, y)]:
+            assert (got.dtype, got.shape) == (want.dtype, want[rows].shape)
+            assert got.tobytes() == want[rows].tobytes()
 
 
 def test_reading_a_kept_batch_copies_that_batch_alone():
@@ -170,12 +224,13 @@ def test_a_dormant_keeper_holds_no_batch(kind):
         warnings.simplefilter("ignore")
         model.fit(x[:64], y[:64], batch_size=32, verbose=0, callbacks=[repair, Held()])
         keeper = vars(model)["_tfmixprec_overflow_batches"]
-        assert keeper.nbytes == 2 * (1 + 1) * 4  # 2 rows of x and y, one float32 each
+        assert keeper.nbytes == 2 * 4  # 2 rows of one word (4 bytes)
         model.fit(x, y, batch_size=32, shuffle=False, verbose=0, callbacks=[repair, Held()])
     assert Held.traced[1] is Held.traced[0]  # the dormant keeper's traced step, reused
-    assert Held.held == [2 * (32 * 8 + 32) * 4]  # in the second fit: its batches again
+    # In the second fit its batches again: the record (20 bytes), x's and y's shapes, x and y.
+    assert Held.held == [2 * (20 + 2 * 2 * 8 + (32 * 8 + 32) * 4)]
     assert [r.step for r in repair.repairs] == [4]  # the 5th overflow in a row
-    assert keeper.nbytes == 2 * (1 + 1) * 4
+    assert keeper.nbytes == 2 * 4
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])

@@ -512,6 +512,26 @@ def test_an_eager_step_keeps_its_batches_too():
     np.testing.assert_array_equal(kept.batch[0], x[8:16])
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_batch_of_strings_comes_back_as_it_was(traced):
+    """A tensor of strings (a model that tokenizes inside its step) is kept as the bytes of
+    its `TensorProto`, beside the batch's numbers, and comes back equal, eagerly and traced."""
+    model, _, _ = bad_run_model()
+    keeper = tfmixprec.OverflowBatches(2)
+    text = tf.constant([["a", "éé"], ["", "a longer string"]])
+    numbers = tf.constant([[1.5], [-2.0]])
+
+    def keep(x, y):
+        keeper.keep_if_overflow((x, y), tf.constant(True), model.optimizer)
+
+    (tf.function(keep) if traced else keep)(text, numbers)
+    (kept,) = keeper.kept
+    got_text, got_numbers, weight = kept.batch
+    assert weight is None and got_text.dtype == object and got_text.shape == (2, 2)
+    assert got_text.tolist() == [[b"a", "éé".encode()], [b"", b"a longer string"]]
+    np.testing.assert_array_equal(got_numbers, numbers.numpy())
+
+
 def test_a_batch_that_is_not_dense_is_said_and_not_kept():
     model, _, _ = bad_run_model()
     keeper = tfmixprec.OverflowBatches(1)

@@ -1,34 +1,37 @@
 """The batches of overflow steps, kept on the device from inside the training step.
 
 `explain_overflow` (the callbacks' `diagnose=`) and `PrecisionRepair` replay the batch of an
-overflow step after it ran. The step keeps it in variables on the device, where the host
+overflow step after it ran. The step keeps it in a variable on the device, where the host
 waits for nothing: no host copy, and no branch on a device value.
 
-- Each tensor of the batch `(x, y, sample_weight)` has one variable of rows, in the tensor's
-  own dtype (a uint8 image stays uint8): one row a slot, the batches of the first `limit`
-  overflow steps since the keeper was (re)started and, where asked for (`PrecisionRepair`),
-  the newest overflow step's, and one row more. Every step writes its batch with one scatter
-  into the row no slot holds (the scratch row), and its step, scale and shapes into the same
-  row of a small table; an overflow step moves the count of kept steps on, and with it the
-  scratch row (`_scratch_row`: which row is which follows from the count alone), so the row
-  written becomes a slot's. A step costs one device copy of its batch, however many slots,
-  and whoever keeps.
-- The rows grow, in the step, where a batch is larger than any before: one branch for every
-  tensor, decided by shapes alone, which the host knows without waiting for the device. A
-  smaller batch (a ragged last batch) is padded, and its own shape kept beside it.
+- A batch `(x, y, sample_weight)` is kept as its bytes, every tensor's in one row of one
+  variable of rows, in words of 4 bytes (float32 bit patterns: a bitcast, which copies
+  nothing, and a dtype every strategy can broadcast when it makes the variable): first the
+  step's record (its step and scale), then each tensor's shape, then each tensor's bytes (a
+  uint8 image one byte a value, a float32 four, a bool one, strings their `TensorProto`'s;
+  padded to a whole word). One row a slot, the batches of the first `limit` overflow steps
+  since the keeper was (re)started and, where asked for (`PrecisionRepair`), the newest overflow
+  step's, and one row more. Every step writes its batch with one scatter into the row no
+  slot holds (the scratch row); an overflow step moves the count of kept steps on, and with
+  it the scratch row (`_scratch_row`: which row is which follows from the count alone), so
+  the row written becomes a slot's. A step costs one device copy of its batch, however many
+  slots, and whoever keeps.
+- The rows grow, in the step, where a batch is larger than any before: one branch, decided
+  by shapes alone, which the host knows without waiting for the device. A smaller batch (a
+  ragged last batch) is padded, and its own shapes kept in its row.
 - XLA compiles a variable's size into the step, so under `jit_compile=True` the keeper
   compiles the model's step with XLA itself and keeps the batch just outside it
   (`_keras.fit.make_train_function` builds Keras's train function around it without XLA).
   Where Keras builds the train function itself with XLA (a `compile()` after
   `keep_overflow_batches`), the keeper runs inside XLA with rows of fixed size: a batch larger
   than any before is not kept (`missed`, said in a warning), and `poll` grows the rows.
-- Each replica keeps its own batch (sync-on-read variables), for `PrecisionRepair`, which
+- Each replica keeps its own batch (a sync-on-read variable), for `PrecisionRepair`, which
   replays them all.
 
-The host reads the slots only when a callback acts on them: `poll` (the callbacks call it
+The host reads the rows only when a callback acts on them: `poll` (the callbacks call it
 after a step, with the counts read in the one read they share) grows the rows where a batch
 did not fit; `kept` and `latest` copy a kept batch to the host, and only its values. Between
-fits a callbacks' keeper is dormant and holds rows of one value each (`release`).
+fits a callbacks' keeper is dormant and holds rows of one word each (`release`).
 """
 
 from __future__ import annotations
@@ -101,92 +104,114 @@ def _scratch_row(count: Any, limit: int, latest: bool, vector: bool = False) -> 
     return tf.minimum(count, bound)
 
 
-class _Slots:
-    """One tensor of the batch: its rows (one a kept batch, and a scratch row), kept in the
-    tensor's own dtype, and the largest shape an XLA step has seen. Which row holds which slot
-    follows from the keeper's count (`_scratch_row`); the shape each slot holds is in the
-    keeper's table (`columns`). A step writes one row."""
+# The dtypes a row keeps as their bytes (a bitcast, no copy); a bool as 0 or 1 (a cast).
+_AS_BYTES = (
+    tf.bfloat16, tf.float16, tf.float32, tf.float64, tf.complex64, tf.complex128,
+    tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64,
+)  # fmt: skip
+_WORD = tf.float32  # the rows' words: 4 bytes, moved as bits (a copy does no arithmetic)
+# A row: the step's record in 5 words (the optimizer's `last_overflow_iteration` and
+# `overflow_steps`, int64, and `last_overflow_scale`, float32), each tensor's shape (int64, 2
+# words a dimension), then each tensor's bytes, padded to a whole word.
+_RECORD_WORDS = 5
 
-    def __init__(self, spec: tf.TensorSpec, slots: int, column: int) -> None:
-        # The sizes the trace declares; 1 where unknown (a scatter needs a row of one value).
-        known = [max(d or 1, 1) for d in spec.shape.as_list()]
-        self.dtype, self.rows, self.rank = spec.dtype, slots + 1, len(known)
-        self.columns = slice(column, column + len(known))  # its shape, in the keeper's table
-        self.data = replica_variable(
-            tf.zeros([self.rows, *known], spec.dtype), shape=tf.TensorShape(None)
-        )
-        self.wanted = replica_variable(tf.zeros([len(known)], tf.int64))
+
+def _words(value: tf.Tensor, vector: tf.Tensor | None) -> tf.Tensor:
+    """`value`'s bytes as a vector of words (`vector`: the constant `[-1]`, where needed)."""
+    if value.dtype.size < 4:  # bytes, padded to a whole word, four bytes a word
+        value = tf.cast(value, tf.uint8) if value.dtype == tf.bool else value
+        value = tf.bitcast(value, tf.uint8) if value.dtype != tf.uint8 else value
+        value = tf.reshape(value, [-1])
+        size = value.shape.num_elements()
+        extra = -size % 4 if size is not None else tf.math.floormod(-tf.size(value), 4)
+        value = tf.pad(value, [[0, extra]])
+        value = tf.reshape(value, [-1, 4])
+    if value.dtype != _WORD:
+        value = tf.bitcast(value, _WORD)  # a trailing axis of the item's words, where wider
+    return value if value.shape.rank == 1 else tf.reshape(value, vector)
+
+
+class _Rows:
+    """The kept batches' rows, one variable of bytes (a row a slot, and a scratch row: which
+    is which follows from the keeper's count, `_scratch_row`), and the longest row an XLA
+    step has seen. A step writes one row."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.data = replica_variable(tf.zeros([rows, 1], _WORD), shape=tf.TensorShape(None))
+        self.wanted = replica_variable(tf.zeros([1], tf.int64))
 
     def held(self) -> tf.Tensor:
-        """The rows' shape (`[rows, *row]`, int64), from the variable's metadata: reading its
+        """The rows' shape (`[rows, words]`, int64), from the variable's metadata: reading its
         value would hold its buffer, and the scatter would then copy every row first (copy on
         write)."""
         return tf.raw_ops.VariableShape(input=self.data.handle, out_type=tf.int64)
 
-    def room_for(self, value: tf.Tensor, shape: Any, zeros: tf.Tensor, axis: tf.Tensor) -> tuple:
-        """Outside XLA: `value` (of `shape`) as the row it is written as (`[1, *room]`, zero
-        padded to the rows, or to `shape` where larger), and the padding that grows the rows
-        to hold it (nonzero where they must grow; `zeros`: a column of the rank + 1, `axis`:
-        the constant 0). Shapes alone, computed on the host: no device value, no wait on a
-        GPU."""
+    def room_for(self, line: tf.Tensor, length: Any, zeros: tf.Tensor, axis: tf.Tensor) -> tuple:
+        """Outside XLA: the batch's words `line` (of `length`, a vector of one) as the row it
+        is written as (`[1, words]`, zero padded to the rows, or as it is where longer), and
+        the padding that grows the rows to hold it (nonzero where they must grow; `zeros`:
+        `[0, 0]`, `axis`: the constant 0). Shapes alone, computed on the host: no device
+        value, no wait on a GPU."""
         # Each shape as a padding's second column, beside `zeros` (nothing before): the room
         # less a shape pads it to the room.
         with tf.device("/cpu:0"):
             held = tf.stack([zeros, self.held()], axis=1)
-            if isinstance(shape, np.ndarray):  # known when tracing: one constant
-                target = np.stack([np.zeros(self.rank + 1, np.int64), [self.rows, *shape]], 1)
-                target = tf.constant(target, tf.int64)
+            if isinstance(length, np.ndarray):  # known when tracing: one constant
+                target = tf.constant([[0, self.rows], [0, length[0]]], tf.int64)
             else:
-                target = tf.concat([tf.constant([self.rows], tf.int64), shape], axis)
+                target = tf.concat([tf.constant([self.rows], tf.int64), length], axis)
                 target = tf.stack([zeros, target], axis=1)
             room = tf.maximum(held, target)  # the rows' dimension: theirs
             padding, growth = room - target, room - held  # growth > 0 where the rows grow
-        row = tf.pad(tf.expand_dims(value, axis), padding)
-        row.set_shape([1] + [None] * self.rank)  # one row: the pad of the first dimension is 0
+        row = tf.pad(tf.expand_dims(line, axis), padding)
+        row.set_shape([1, None])  # one row: the pad of the first dimension is 0
         return row, growth
 
-    def fitted_to(self, value: tf.Tensor, shape: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """Inside XLA, whose step keeps a variable's size: `value` cut or padded to the rows
-        (`[1, *row]`), and whether it fits there; the largest shape seen is noted for `poll`,
+    def fitted_to(self, line: tf.Tensor, length: Any) -> tuple[tf.Tensor, tf.Tensor]:
+        """Inside XLA, whose step keeps a variable's size: `line` cut or padded to the rows
+        (`[1, words]`), and whether it fits there; the longest seen is noted for `poll`,
         which grows the rows between steps."""
         with tf.device("/cpu:0"):
-            held = tf.slice(self.held(), [1], [self.rank])
-            fits = tf.reduce_all(tf.less_equal(shape, held))
-        self.wanted.assign(tf.maximum(self.wanted, shape))
-        return tf.expand_dims(_fitted(value, held), 0), fits
+            held = tf.slice(self.held(), [1], [1])
+            fits = tf.reduce_all(tf.less_equal(length, held))
+        self.wanted.assign(tf.maximum(self.wanted, length))
+        return tf.expand_dims(_fitted(line, held), 0), fits
 
     def write(self, row: tf.Tensor, update: tf.Tensor) -> None:
-        """`update` (`[1, *row]`) into `row` (a vector of one index: the scratch row). One row
-        a step: the device copies the batch once."""
+        """`update` (`[1, words]`) into `row` (a vector of one index: the scratch row). One
+        row a step: the device copies the batch once."""
         # The op itself: a sync-on-read variable has no `scatter_update` in replica context,
-        # where its `handle` is this replica's copy's. `ResourceScatterUpdate` has a kernel
-        # for every dtype on CPUs and GPUs (bool and the narrow integers included).
+        # where its `handle` is this replica's copy's.
         tf.raw_ops.ResourceScatterUpdate(resource=self.data.handle, indices=row, updates=update)
 
+    def grow_in_step(self, growth: tf.Tensor) -> None:
+        """In the step's branch that grows them: the rows padded by `growth`."""
+        self.data.assign(tf.pad(tf.convert_to_tensor(self.data), growth))
+
     def grow(self) -> bool:
-        """Between steps: every copy's rows grown to the largest shape any replica saw."""
-        wanted = np.max([w.numpy() for w in _local(self.wanted)], axis=0)
-        size = tf.shape(_local(self.data)[0]).numpy()
-        if (wanted <= size[1:]).all():
+        """Between steps: every copy's rows grown to the longest any replica saw."""
+        wanted = max(int(w.numpy()[0]) for w in _local(self.wanted))
+        have = int(tf.shape(_local(self.data)[0]).numpy()[1])
+        if wanted <= have:
             return False
-        size = tf.constant([size[0], *np.maximum(wanted, size[1:])])
         for copy in _local(self.data):
-            copy.assign(_fitted(tf.convert_to_tensor(copy), size))
+            copy.assign(tf.pad(tf.convert_to_tensor(copy), [[0, 0], [0, wanted - have]]))
         return True
 
     def release(self) -> None:
-        """Between fits, for a dormant keeper: every copy's rows back to one value each (the
+        """Between fits, for a dormant keeper: every copy's rows back to one word each (the
         step grows them again where it keeps), so that no device memory is held for the
         largest batch ever seen."""
         for copy in _local(self.data):
-            copy.assign(tf.zeros([self.rows] + [1] * self.rank, self.dtype))
+            copy.assign(tf.zeros([self.rows, 1], _WORD))
         for copy in _local(self.wanted):
             copy.assign(tf.zeros_like(copy))
 
-    def read(self, copy: int, row: int, shape: np.ndarray) -> np.ndarray:
-        """Replica `copy`'s batch of `shape` held in `row`: only its values copied to the host."""
-        data = _local(self.data)[copy]
-        return tf.slice(data, [row] + [0] * len(shape), [1, *shape])[0].numpy()
+    def read(self, copy: int, row: int, start: int, size: int) -> np.ndarray:
+        """Replica `copy`'s words `[start, start + size)` of `row`: only those copied to the
+        host."""
+        return tf.slice(_local(self.data)[copy], [row, start], [1, size])[0].numpy()
 
 
 def _shape(value: tf.Tensor) -> Any:
@@ -194,12 +219,6 @@ def _shape(value: tf.Tensor) -> Any:
     if value.shape.is_fully_defined():
         return np.array(value.shape.as_list(), np.int64)
     return tf.shape(value, out_type=tf.int64)
-
-
-def _grow_rows(growths: list[tuple[Any, tf.Tensor]]) -> None:
-    """The rows of each `(slots, padding)` padded (where they grow, by 0 elsewhere)."""
-    for slots, padding in growths:
-        slots.data.assign(tf.pad(tf.convert_to_tensor(slots.data), padding))
 
 
 def _local(variable: Any) -> tuple:
@@ -212,9 +231,6 @@ def _local(variable: Any) -> tuple:
 # and overflow steps whose batch did not fit (not kept). `fit.reader` reads them with the
 # optimizer's state, in one copy, under these names.
 _KEPT, _UNFIT, _MISSED = 0, 1, 2
-# The columns of the table, a row beside each row of the batches: what the optimizer says of
-# the step written there, its scale's bits, then the shape of each tensor (`_Slots.columns`).
-_ITERATION, _OVERFLOWS, _SCALE, _SHAPES = 0, 1, 2, 3
 KEEPER_COUNTS = ("kept", "unfit", "missed")
 
 
@@ -249,10 +265,8 @@ class OverflowBatches:
         self._counts: tf.Variable | None = None  # `_KEPT`, `_UNFIT`, `_MISSED`
         self._unfit_seen = 0  # `_UNFIT` when the rows were last grown
         self._missed_said = 0  # `_MISSED` when last said
-        # Per row: `last_overflow_iteration`, `overflow_steps`, the scale's bits, the shapes.
-        self._table: tf.Variable | None = None
-        self._slots: list[_Slots | None] = []  # per tensor of the flattened batch
-        self._spec: Any = None
+        self._rows: _Rows | None = None
+        self._spec: Any = None  # the first trace's batch: `TensorSpec`s (None where absent)
         self._lock = threading.Lock()  # replicas trace in threads
 
     @property
@@ -261,33 +275,29 @@ class OverflowBatches:
 
     # ------------------------------------------------------------ in the step
     def keep_if_overflow(self, data: Any, overflowed: tf.Tensor, optimizer: Any) -> None:
-        """In the step, after `apply`: writes the batch into the scratch row, and on an
-        overflow step the slots it fills (the next of the first `limit`, and the newest) note
-        it in the table, with its scale and step. No host copy, and no branch on a device
-        value: outside XLA the rows grow in the step where the batch is larger (one branch on
+        """In the step, after `apply`: writes the batch, with the step's record, into the
+        scratch row; on an overflow step the count moves on and the row is a slot's (the next
+        of the first `limit`, or the newest). No host copy, and no branch on a device value:
+        outside XLA the rows grow in the step where the batch is larger (one branch on
         shapes, decided on the host); inside XLA, whose step keeps a variable's size, `poll`
         grows them."""
         batch = keras.utils.unpack_x_y_sample_weight(data)
         flat = tf.nest.flatten(batch)
         if not self._ready(batch, flat):
             return
-        slots = [(x, s) for x, s in zip(flat, self._slots) if s is not None]
-        shapes = [_shape(tensor) for tensor, _ in slots]
         axis = tf.constant(0)  # one constant for every axis 0
+        line = self._line([x for x in flat if x is not None], optimizer, axis)
+        length = _shape(line)
         if in_xla_context():  # the rows as they are: the batch may not fit
-            updates, fits = zip(*[s.fitted_to(x, n) for (x, s), n in zip(slots, shapes)])
-            fits = tf.reduce_all(tf.stack(fits))
+            update, fits = self._rows.fitted_to(line, length)
             kept = tf.logical_and(overflowed, fits)
         else:
-            updates, fits, kept = self._room_for(slots, shapes, axis), None, overflowed
+            update, fits, kept = self._room_for(line, length, axis), None, overflowed
         # `_KEPT` (at index 0, `axis`) alone: one op, on the variable's device.
         count = tf.raw_ops.ResourceGather(
             resource=self._counts.handle, indices=axis, dtype=tf.int64
         )
-        row = _scratch_row(count, self.limit, self.keeps_latest, vector=True)
-        for (_, tensor_slots), update in zip(slots, updates):
-            tensor_slots.write(row, update)
-        self._note(row, shapes, optimizer, axis)
+        self._rows.write(_scratch_row(count, self.limit, self.keeps_latest, vector=True), update)
         if fits is None:  # only kept steps to count: `_KEPT` (at index 0, `axis`) += kept
             tf.raw_ops.ResourceScatterAdd(
                 resource=self._counts.handle, indices=axis, updates=tf.cast(kept, tf.int64)
@@ -297,46 +307,34 @@ class OverflowBatches:
             added = tf.cast(tf.stack([kept, unfit, tf.logical_and(overflowed, unfit)]), tf.int64)
             self._counts.assign_add(added)
 
-    def _room_for(self, slots: list, shapes: list, axis: tf.Tensor) -> list[tf.Tensor]:
-        """Outside XLA: each tensor as the row it is written as, the rows grown first where
-        the batch is larger than they are (one branch for every tensor, on shapes alone)."""
-        zeros: dict[int, tf.Tensor] = {}  # one constant a rank
-        made, larger = [], []
-        for (tensor, tensor_slots), shape in zip(slots, shapes):
-            rank = tensor_slots.rank + 1
-            if rank not in zeros:
-                zeros[rank] = tf.zeros([rank], tf.int64)
-            row, growth = tensor_slots.room_for(tensor, shape, zeros[rank], axis)
-            made.append((row, tensor_slots, growth))
-            larger.append(growth)
-        with tf.device("/cpu:0"):  # the largest growth, nonzero where the rows grow
-            larger = tf.concat(larger, axis) if len(larger) > 1 else larger[0]
-            larger = tf.cast(tf.reduce_max(larger), tf.bool)
-        growths = [(tensor_slots, growth) for _, tensor_slots, growth in made]
-        with tf.name_scope("keeper_rows_grow"):
-            tf.cond(larger, lambda: _grow_rows(growths), lambda: None)
-        return [row for row, _, _ in made]
-
-    def _note(self, row: tf.Tensor, shapes: list, optimizer: Any, axis: tf.Tensor) -> None:
-        """Notes the step beside its batch, in the same `row` of the table: the optimizer's
-        `last_overflow_iteration` and `overflow_steps` (the step, as `step_number` counts it),
-        the scale's bits, and the batch's shapes. On an overflow step they are the step's own;
-        the row is a slot's once the count moves on, as the batch's row (`_scratch_row`)."""
-        scale = tf.bitcast(tf.convert_to_tensor(optimizer.last_overflow_scale), tf.int32)
-        numbers = [
-            tf.cast(tf.convert_to_tensor(value), tf.int64)
-            for value in (optimizer.last_overflow_iteration, optimizer.overflow_steps, scale)
-        ]
+    def _line(self, tensors: list[tf.Tensor], optimizer: Any, axis: tf.Tensor) -> tf.Tensor:
+        """The row's words: the step's record, the optimizer's `last_overflow_iteration`,
+        `overflow_steps` and `last_overflow_scale` (on an overflow step the step's own: the
+        row is a slot's once the count moves on), then each tensor's shape, then each
+        tensor's bytes (`_RECORD_WORDS`)."""
+        vector = tf.constant([-1])  # a scalar scale and each tensor of rank 2 or more
+        numbers = (optimizer.last_overflow_iteration, optimizer.overflow_steps)
+        record = [tf.cast(tf.convert_to_tensor(value), tf.int64) for value in numbers]
+        record.append(tf.cast(tf.convert_to_tensor(optimizer.last_overflow_scale), tf.float32))
+        tensors = [_serialized(x) if x.dtype == tf.string else x for x in tensors]
+        shapes = [_shape(x) for x in tensors]
         if all(isinstance(shape, np.ndarray) for shape in shapes):  # known: one constant
-            shapes = [np.concatenate(shapes)]
-        record = tf.concat([tf.stack(numbers), *shapes], axis)
-        # Into `row` alone, as the batch: a sync-on-read variable's own copy (its `handle`).
-        tf.raw_ops.ResourceScatterUpdate(
-            resource=self._table.handle,
-            indices=row,
-            updates=tf.expand_dims(record, axis),
-            name="keeper_record",
-        )
+            shapes = [tf.constant(np.concatenate([[], *shapes]).astype(np.int64).view(np.float32))]
+        else:
+            shapes = [_words(tf.concat(shapes, axis), vector)]
+        parts = [_words(value, vector) for value in record] + shapes
+        return tf.concat(parts + [_words(x, vector) for x in tensors], axis)
+
+    def _room_for(self, line: tf.Tensor, length: Any, axis: tf.Tensor) -> tf.Tensor:
+        """Outside XLA: the batch's bytes as the row they are written as, the rows grown
+        first where the batch is longer than they are (one branch, on shapes alone)."""
+        rows = self._rows
+        row, growth = rows.room_for(line, length, tf.zeros([2], tf.int64), axis)
+        with tf.device("/cpu:0"):  # the largest growth, nonzero where the rows grow
+            larger = tf.cast(tf.reduce_max(growth), tf.bool)
+        with tf.name_scope("keeper_rows_grow"):
+            tf.cond(larger, lambda: rows.grow_in_step(growth), lambda: None)
+        return row
 
     def _ready(self, batch: Any, flat: list[Any]) -> bool:
         """Creates the variables at the first trace (a tensor each); False where the batch
@@ -348,6 +346,9 @@ class OverflowBatches:
             kinds = [x for x in flat if x is not None and not isinstance(x, tf.Tensor)]
             if kinds:
                 return self._cannot(f"a {type(kinds[0]).__name__} in the batch")
+            odd = [x for x in flat if x is not None and not _keepable(x)]
+            if odd:
+                return self._cannot(f"a {odd[0].dtype.name} tensor of shape {odd[0].shape}")
             spec = tf.nest.map_structure(_spec_of, batch)
             if self._counts is None:
                 with tf.init_scope():
@@ -369,15 +370,12 @@ class OverflowBatches:
     def _create(self, spec: Any, flat: list[Any]) -> None:
         self._counts = replica_variable(tf.zeros([3], tf.int64))
         self._unfit_seen = self._missed_said = 0
-        self._slots, column = [], _SHAPES
-        for x in flat:
-            self._slots.append(None if x is None else _Slots(_spec_of(x), self._size, column))
-            column += 0 if x is None else self._slots[-1].rank
-        self._table = replica_variable(tf.zeros([self._size + 1, column], tf.int64))  # a row each
+        self._rows = _Rows(self._size + 1)  # a row a slot, and the scratch row
         self._spec = spec
 
     def _cannot(self, why: str) -> bool:
-        self.unkept = f"batches are not kept: {why} (only dense tensors are kept)"
+        kept = "only dense tensors of numbers, bools or strings, of a known rank, are kept"
+        self.unkept = f"batches are not kept: {why} ({kept})"
         warnings.warn(f"tfmixprec: {self.unkept}. {docs_page('guides/why-overflow')}", stacklevel=5)
         return False
 
@@ -414,9 +412,7 @@ class OverflowBatches:
             )
         if counts[_UNFIT] > self._unfit_seen:
             self._unfit_seen = int(counts[_UNFIT])
-            for slots in self._slots:
-                if slots is not None:
-                    slots.grow()
+            self._rows.grow()
         return int(counts[_KEPT])
 
     @property
@@ -452,12 +448,10 @@ class OverflowBatches:
     @property
     def nbytes(self) -> int:
         """The bytes the rows hold on the device, every replica's copies together (one
-        small host read a tensor of the batch)."""
-        total = 0
-        for slots in (s for s in self._slots if s is not None):
-            for copy in _local(slots.data):
-                total += int(np.prod(tf.shape(copy).numpy())) * slots.dtype.size
-        return total
+        small host read a copy)."""
+        if self._rows is None:
+            return 0
+        return sum(int(np.prod(tf.shape(c).numpy())) * 4 for c in _local(self._rows.data))
 
     @property
     def traced_once(self) -> bool:
@@ -467,8 +461,8 @@ class OverflowBatches:
     def forget(self) -> None:
         """Drops the slots: the next traced step makes them again (for another `limit`, the
         newest batch or another batch structure), and keeps from there."""
-        self._counts = self._table = self._spec = None
-        self._slots, self.unkept, self.stale = [], None, False
+        self._counts = self._rows = self._spec = None
+        self.unkept, self.stale = None, False
 
     def restart(self) -> None:
         """Keeps from the next overflow step on as if new (the rows are reused)."""
@@ -483,22 +477,56 @@ class OverflowBatches:
         else:  # the newest: the row written at the last count
             count = _local(self._counts)[copy].numpy()[_KEPT] - 1
             row = int(_scratch_row(tf.constant(count), self.limit, self.keeps_latest))
-        noted = _local(self._table)[copy][row].numpy()  # that row alone
-        arrays = iter([s.read(copy, row, noted[s.columns]) for s in self._slots if s is not None])
-        flat = [None if s is None else next(arrays) for s in self._slots]
+        specs = [_as_kept(spec) for spec in tf.nest.flatten(self._spec)]  # None: absent
+        ranks = [spec.shape.rank for spec in specs if spec is not None]
+        head = self._rows.read(copy, row, 0, _RECORD_WORDS + 2 * sum(ranks))  # record, shapes
+        iteration, overflows = (int(n) for n in head[:4].view(np.int64))
+        scale = float(head[4])
+        shapes, start = head[_RECORD_WORDS:].view(np.int64), len(head)
+        flat = []
+        for spec in specs:  # each tensor's words alone, as the tensor
+            if spec is not None:
+                shape, shapes = shapes[: spec.shape.rank], shapes[spec.shape.rank :]
+                dtype = np.dtype(spec.dtype.as_numpy_dtype)
+                size = int(np.prod(shape)) * dtype.itemsize  # in bytes; in words, rounded up
+                words = self._rows.read(copy, row, start, -(-size // 4))
+                value = words.view(np.uint8)[:size].view(dtype).reshape(shape)
+                if spec.name == "string":  # its `TensorProto`'s bytes (`_serialized`)
+                    value = tf.io.parse_tensor(value.tobytes(), tf.string).numpy()
+                flat.append(value)
+                start += len(words)
+            else:
+                flat.append(None)
         batch = tuple(tf.nest.pack_sequence_as(self._spec, flat))
-        iteration, overflows = int(noted[_ITERATION]), int(noted[_OVERFLOWS])
-        scale = float(noted[_SCALE : _SCALE + 1].astype(np.int32).view(np.float32)[0])
         # The step as `loss_scale.step_number` counts it: applied steps before it, and
         # overflow steps before it.
         return KeptBatch(iteration + overflows - 1, scale, batch)
 
     def release(self) -> None:
-        """Between fits (a dormant keeper): the rows back to one value each, so no device
+        """Between fits (a dormant keeper): the rows back to one byte each, so no device
         memory is held for the largest batch seen; the next step that keeps grows them."""
-        for slots in self._slots:
-            if slots is not None:
-                slots.release()
+        if self._rows is not None:
+            self._rows.release()
+
+
+def _keepable(value: tf.Tensor) -> bool:
+    if value.dtype == tf.string:
+        return True
+    return value.shape.rank is not None and (value.dtype == tf.bool or value.dtype in _AS_BYTES)
+
+
+def _serialized(value: tf.Tensor) -> tf.Tensor:
+    """A tensor of strings as the bytes of its `TensorProto` (uint8, on the host: a device
+    holds no strings); `_read` parses them back."""
+    return tf.io.decode_raw(tf.io.serialize_tensor(value), tf.uint8)
+
+
+def _as_kept(spec: Any) -> Any:
+    """The spec of what a row holds for a tensor of `spec`: a string tensor's bytes (named
+    "string", for `_read`), else the tensor."""
+    if spec is None or spec.dtype != tf.string:
+        return spec
+    return tf.TensorSpec([None], tf.uint8, name="string")
 
 
 def _spec_of(value: Any) -> Any:
