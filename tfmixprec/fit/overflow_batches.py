@@ -116,8 +116,8 @@ _WORD = tf.float32  # the rows' words: 4 bytes, moved as bits (a copy does no ar
 _RECORD_WORDS = 5
 
 
-def _words(value: tf.Tensor, vector: tf.Tensor | None) -> tf.Tensor:
-    """`value`'s bytes as a vector of words (`vector`: the constant `[-1]`, where needed)."""
+def _words(value: tf.Tensor, vector: tf.Tensor) -> tf.Tensor:
+    """`value`'s bytes as a vector of words (`vector`: the constant `[-1]`)."""
     if value.dtype.size < 4:  # bytes, padded to a whole word, four bytes a word
         value = tf.cast(value, tf.uint8) if value.dtype == tf.bool else value
         value = tf.bitcast(value, tf.uint8) if value.dtype != tf.uint8 else value
@@ -132,7 +132,7 @@ def _words(value: tf.Tensor, vector: tf.Tensor | None) -> tf.Tensor:
 
 
 class _Rows:
-    """The kept batches' rows, one variable of bytes (a row a slot, and a scratch row: which
+    """The kept batches' rows, one variable of words (a row a slot, and a scratch row: which
     is which follows from the keeper's count, `_scratch_row`), and the longest row an XLA
     step has seen. A step writes one row."""
 
@@ -326,7 +326,7 @@ class OverflowBatches:
         return tf.concat(parts + [_words(x, vector) for x in tensors], axis)
 
     def _room_for(self, line: tf.Tensor, length: Any, axis: tf.Tensor) -> tf.Tensor:
-        """Outside XLA: the batch's bytes as the row they are written as, the rows grown
+        """Outside XLA: the batch's words as the row they are written as, the rows grown
         first where the batch is longer than they are (one branch, on shapes alone)."""
         rows = self._rows
         row, growth = rows.room_for(line, length, tf.zeros([2], tf.int64), axis)
