@@ -288,3 +288,30 @@ def test_the_scratch_row_is_never_a_kept_batchs(limit, latest):
             held[count] = scratch
         if latest:
             held["newest"] = scratch
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_dormant_keeper_wakes_to_another_structure(jit_compile):
+    """diagnose=3 in two fits; the second adds a sample_weight (another batch structure for the
+    dormant keeper's traced step): its overflow steps are still replayed, each at its step,
+    the first one too (found by a review: the woken keeper kept nothing in the step that met
+    the new structure, and said nothing)."""
+    model, x, y = bad_run_model(jit_compile="auto")
+    model.jit_compile = jit_compile
+    first = tfmixprec.LossScaleMonitor(diagnose=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[first])
+    done = int(model.optimizer.iterations.numpy()) + int(model.optimizer.overflow_steps.numpy())
+    x2 = x.copy()
+    x2[:, 0] = 1e6  # every batch overflows forward
+    w = np.linspace(0.5, 1.5, len(x)).astype("float32")
+    monitor = tfmixprec.LossScaleMonitor(diagnose=3)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model.fit(
+            x2, y, sample_weight=w, batch_size=8, shuffle=False, verbose=0, callbacks=[monitor]
+        )
+    assert not [str(m.message) for m in said if "diagnose=" in str(m.message)]
+    found = [(step, d.cause, d.layer) for step, d in monitor.diagnoses]
+    assert found == [(s, "forward-overflow", "big") for s in (done, done + 1, done + 2)]

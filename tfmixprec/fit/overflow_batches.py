@@ -4,18 +4,16 @@
 overflow step after it ran. The step keeps it in a variable on the device, where the host
 waits for nothing: no host copy, and no branch on a device value.
 
-- A batch `(x, y, sample_weight)` is kept as its bytes, every tensor's in one row of one
-  variable of rows, in words of 4 bytes (float32 bit patterns: a bitcast, which copies
-  nothing, and a dtype every strategy can broadcast when it makes the variable): first the
-  step's record (its step and scale), then each tensor's shape, then each tensor's bytes (a
-  uint8 image one byte a value, a float32 four, a bool one, strings their `TensorProto`'s;
-  padded to a whole word). One row a slot, the batches of the first `limit` overflow steps
-  since the keeper was (re)started and, where asked for (`PrecisionRepair`), the newest overflow
-  step's, and one row more. Every step writes its batch with one scatter into the row no
-  slot holds (the scratch row); an overflow step moves the count of kept steps on, and with
-  it the scratch row (`_scratch_row`: which row is which follows from the count alone), so
-  the row written becomes a slot's. A step costs one device copy of its batch, however many
-  slots, and whoever keeps.
+- A batch `(x, y, sample_weight)` is kept as its bytes in one row of one variable, in 4-byte
+  words (float32 bit patterns, which every strategy can broadcast): the step's record (its
+  step and scale), each tensor's shape, each tensor's bytes (a uint8 image one byte a value,
+  a float32 four; padded to a whole word). One row a slot, the batches of the first `limit`
+  overflow steps since the keeper was (re)started and, where asked for (`PrecisionRepair`),
+  the newest overflow step's, and one row more. Every step writes its batch with one scatter
+  into the row no slot holds (the scratch row); an overflow step moves the count of kept
+  steps on, and with it the scratch row (`_scratch_row`: which row is which follows from the
+  count alone), so the row written becomes a slot's. One device copy of the batch a step,
+  however many slots, and whoever keeps.
 - The rows grow, in the step, where a batch is larger than any before: one branch, decided
   by shapes alone, which the host knows without waiting for the device. A smaller batch (a
   ragged last batch) is padded, and its own shapes kept in its row.
@@ -104,11 +102,8 @@ def _scratch_row(count: Any, limit: int, latest: bool, vector: bool = False) -> 
     return tf.minimum(count, bound)
 
 
-# The dtypes a row keeps as their bytes (a bitcast, no copy); a bool as 0 or 1 (a cast).
-_AS_BYTES = (
-    tf.bfloat16, tf.float16, tf.float32, tf.float64, tf.complex64, tf.complex128,
-    tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64,
-)  # fmt: skip
+# Kept as their bytes: these floats, integers, complex numbers, bools, strings (`_keepable`).
+_FLOATS = (tf.bfloat16, tf.float16, tf.float32, tf.float64)
 _WORD = tf.float32  # the rows' words: 4 bytes, moved as bits (a copy does no arithmetic)
 # A row: the step's record in 5 words (the optimizer's `last_overflow_iteration` and
 # `overflow_steps`, int64, and `last_overflow_scale`, float32), each tensor's shape (int64, 2
@@ -153,9 +148,7 @@ class _Rows:
         the padding that grows the rows to hold it (nonzero where they must grow; `zeros`:
         `[0, 0]`, `axis`: the constant 0). Shapes alone, computed on the host: no device
         value, no wait on a GPU."""
-        # Each shape as a padding's second column, beside `zeros` (nothing before): the room
-        # less a shape pads it to the room.
-        with tf.device("/cpu:0"):
+        with tf.device("/cpu:0"):  # shapes as a padding's second column, beside `zeros`
             held = tf.stack([zeros, self.held()], axis=1)
             if isinstance(length, np.ndarray):  # known when tracing: one constant
                 target = tf.constant([[0, self.rows], [0, length[0]]], tf.int64)
@@ -262,6 +255,7 @@ class OverflowBatches:
         self.traced: Any = None
         self.unkept: str | None = None  # why the traced step keeps nothing (said once)
         self.stale = False  # a trace met another batch structure: `poll(model)` traces again
+        self.renewed = False  # a callbacks' trace made the rows anew: `poll(model)` too
         self._counts: tf.Variable | None = None  # `_KEPT`, `_UNFIT`, `_MISSED`
         self._unfit_seen = 0  # `_UNFIT` when the rows were last grown
         self._missed_said = 0  # `_MISSED` when last said
@@ -354,6 +348,11 @@ class OverflowBatches:
                 with tf.init_scope():
                     self._create(spec, flat)
             elif not _same_structure(self._spec, spec):
+                if self.owner == "callbacks":  # another fit's batches: kept from this step
+                    with tf.init_scope():  # the rows hold words of any structure
+                        self.restart()
+                    self._spec, self.renewed = spec, True  # `poll`: no trace of the old one
+                    return True
                 self.stale = True
                 if self.owner == "user":
                     warnings.warn(
@@ -390,6 +389,9 @@ class OverflowBatches:
         other values, are given: `KEEPER_COUNTS`), grows the rows where a step's batch did
         not fit, and, given the `model` whose step holds this keeper, traces that step again
         where it met another batch structure. Returns `seen`."""
+        if self.renewed and model is not None and current_keeper(model) is self:
+            self.renewed = False
+            set_keeper(model, self)  # the same rows, in a train function of its own
         if self.stale and model is not None and current_keeper(model) is self:
             self.forget()
             set_keeper(model, self)
@@ -462,7 +464,7 @@ class OverflowBatches:
         """Drops the slots: the next traced step makes them again (for another `limit`, the
         newest batch or another batch structure), and keeps from there."""
         self._counts = self._rows = self._spec = None
-        self.unkept, self.stale = None, False
+        self.unkept, self.stale, self.renewed = None, False, False
 
     def restart(self) -> None:
         """Keeps from the next overflow step on as if new (the rows are reused)."""
@@ -510,9 +512,9 @@ class OverflowBatches:
 
 
 def _keepable(value: tf.Tensor) -> bool:
-    if value.dtype == tf.string:
-        return True
-    return value.shape.rank is not None and (value.dtype == tf.bool or value.dtype in _AS_BYTES)
+    kind = value.dtype
+    numbers = kind.is_bool or kind.is_complex or kind in _FLOATS or kind.is_integer
+    return kind == tf.string or (value.shape.rank is not None and numbers)
 
 
 def _serialized(value: tf.Tensor) -> tf.Tensor:
