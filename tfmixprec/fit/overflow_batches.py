@@ -255,7 +255,7 @@ class OverflowBatches:
         self.traced: Any = None
         self.unkept: str | None = None  # why the traced step keeps nothing (said once)
         self.stale = False  # a trace met another batch structure: `poll(model)` traces again
-        self.renewed = False  # a callbacks' trace made the rows anew: `poll(model)` too
+        self.renewed = False  # a callbacks' trace took another structure: `poll(model)` too
         self._counts: tf.Variable | None = None  # `_KEPT`, `_UNFIT`, `_MISSED`
         self._unfit_seen = 0  # `_UNFIT` when the rows were last grown
         self._missed_said = 0  # `_MISSED` when last said
@@ -331,9 +331,9 @@ class OverflowBatches:
         return row
 
     def _ready(self, batch: Any, flat: list[Any]) -> bool:
-        """Creates the variables at the first trace (a tensor each); False where the batch
-        cannot be kept: said once where it is not dense; another structure than the first
-        trace's makes the keeper `stale` (`poll(model)` traces the step again)."""
+        """Makes the rows and counts at the first trace; False where the batch cannot be kept
+        (said once). Another structure makes a user's keeper `stale` (`poll(model)` traces the
+        step again); a callbacks' keeper keeps it from there (`renewed`)."""
         with self._lock:
             if self.unkept is not None or self.stale:
                 return False
@@ -346,7 +346,7 @@ class OverflowBatches:
             spec = tf.nest.map_structure(_spec_of, batch)
             if self._counts is None:
                 with tf.init_scope():
-                    self._create(spec, flat)
+                    self._create(spec)
             elif not _same_structure(self._spec, spec):
                 if self.owner == "callbacks":  # another fit's batches: kept from this step
                     with tf.init_scope():  # the rows hold words of any structure
@@ -366,7 +366,7 @@ class OverflowBatches:
                 return False
         return True
 
-    def _create(self, spec: Any, flat: list[Any]) -> None:
+    def _create(self, spec: Any) -> None:
         self._counts = replica_variable(tf.zeros([3], tf.int64))
         self._unfit_seen = self._missed_said = 0
         self._rows = _Rows(self._size + 1)  # a row a slot, and the scratch row
