@@ -105,9 +105,8 @@ def _scratch_row(count: Any, limit: int, latest: bool, vector: bool = False) -> 
 # Kept as their bytes: these floats, integers, complex numbers, bools, strings (`_keepable`).
 _FLOATS = (tf.bfloat16, tf.float16, tf.float32, tf.float64)
 _WORD = tf.float32  # the rows' words: 4 bytes, moved as bits (a copy does no arithmetic)
-# A row: the step's record in 5 words (the optimizer's `last_overflow_iteration` and
-# `overflow_steps`, int64, and `last_overflow_scale`, float32), each tensor's shape (int64, 2
-# words a dimension), then each tensor's bytes, padded to a whole word.
+# A row: the step's record in 5 words (two int64 and a float32: `_line`), each tensor's shape
+# (int64, 2 words a dimension), then each tensor's bytes, padded to a whole word.
 _RECORD_WORDS = 5
 
 
@@ -202,8 +201,7 @@ class _Rows:
             copy.assign(tf.zeros_like(copy))
 
     def read(self, copy: int, row: int, start: int, size: int) -> np.ndarray:
-        """Replica `copy`'s words `[start, start + size)` of `row`: only those copied to the
-        host."""
+        """Replica `copy`'s words `[start, start + size)` of `row`, only those to the host."""
         return tf.slice(_local(self.data)[copy], [row, start], [1, size])[0].numpy()
 
 
@@ -303,13 +301,15 @@ class OverflowBatches:
 
     def _line(self, tensors: list[tf.Tensor], optimizer: Any, axis: tf.Tensor) -> tf.Tensor:
         """The row's words: the step's record, the optimizer's `last_overflow_iteration`,
-        `overflow_steps` and `last_overflow_scale` (on an overflow step the step's own: the
-        row is a slot's once the count moves on), then each tensor's shape, then each
+        `overflow_steps` and the scale the step used (`last_overflow_scale` on an overflow
+        step, the row a slot's once the count moves on), then each tensor's shape, then each
         tensor's bytes (`_RECORD_WORDS`)."""
         vector = tf.constant([-1])  # a scalar scale and each tensor of rank 2 or more
         numbers = (optimizer.last_overflow_iteration, optimizer.overflow_steps)
         record = [tf.cast(tf.convert_to_tensor(value), tf.int64) for value in numbers]
-        record.append(tf.cast(tf.convert_to_tensor(optimizer.last_overflow_scale), tf.float32))
+        scale = optimizer.scale_used()  # read before the step's branch: not read again
+        scale = optimizer.last_overflow_scale if scale is None else scale
+        record.append(tf.cast(tf.convert_to_tensor(scale), tf.float32))
         tensors = [_serialized(x) if x.dtype == tf.string else x for x in tensors]
         shapes = [_shape(x) for x in tensors]
         if all(isinstance(shape, np.ndarray) for shape in shapes):  # known: one constant
@@ -505,8 +505,8 @@ class OverflowBatches:
         return KeptBatch(iteration + overflows - 1, scale, batch)
 
     def release(self) -> None:
-        """Between fits (a dormant keeper): the rows back to one byte each, so no device
-        memory is held for the largest batch seen; the next step that keeps grows them."""
+        """Between fits (a dormant keeper): the rows back to one word each, so no device
+        memory is held for the largest batch seen; the next step grows them."""
         if self._rows is not None:
             self._rows.release()
 

@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 import keras
 import tensorflow as tf
 
-from tfmixprec._common.text import docs_page
 from tfmixprec._common.validate import (
     check_bool,
     check_float32_scale,
@@ -530,13 +529,21 @@ class LossScale(tf.Module):
         self.min_scale_overflow_iteration.assign(-1)
 
     # ------------------------------------------------------------ the step
-    def scale(self, loss: Any) -> tf.Tensor:
-        """`loss * scale`, computed in float32 (float64 stays float64). Starts a step: the
-        gradients reaching `unscale_received` are scaled until `unscale_returned` runs."""
+    def step_scale(self) -> tf.Tensor | None:
+        """The scale read now, for a traced step to scale, unscale and branch with; None
+        without scaling (nothing to read) and eagerly (each use reads)."""
+        if self.config.is_identity or tf.executing_eagerly():
+            return None
+        return read_now(self.scale_variable)
+
+    def scale(self, loss: Any, scale: Any = None) -> tf.Tensor:
+        """`loss * scale` (`scale`: the scale read already, else read here), computed in
+        float32 (float64 stays float64). Starts a step: the gradients reaching
+        `unscale_received` are scaled until `unscale_returned` runs."""
         if self.config.is_identity:
             return _widen(loss)
         self.ledger.clear()
-        return multiply(loss, read_now(self.scale_variable))
+        return multiply(loss, read_now(self.scale_variable) if scale is None else scale)
 
     def unscale(
         self, grads: Sequence[Any], divisor: Any = None, keep: Sequence[bool] | None = None
@@ -573,19 +580,27 @@ class LossScale(tf.Module):
             return self.unscale(grads, scale, keep=keep)
 
     def unscale_received(
-        self, grads: Sequence[Any], keep: Sequence[bool], indices: list[int], has_float8: bool
+        self,
+        grads: Sequence[Any],
+        keep: Sequence[bool],
+        indices: list[int],
+        has_float8: bool,
+        scale: Any = None,
     ) -> list[Any]:
         """Unscales the gradients `apply` received, each unless `unscale_returned` already
-        did (see `tfmixprec.unscaling`). `indices`: their variables' positions."""
+        did (see `tfmixprec.unscaling`). `indices`: their variables' positions; `scale`: the
+        scale they were scaled with, where read already."""
         grads = list(grads)
         if self.config.is_identity:
             return grads
-        scale = read_now(self.scale_variable)
+        scale = read_now(self.scale_variable) if scale is None else scale
         return self.ledger.unscale_for_apply(
             grads, indices, scale, has_float8, lambda g, i, d: g if keep[i] else divide(g, d)
         )
 
-    def adjust(self, finite: bool | tf.Tensor, iteration: Any, evidence: Any = None) -> None:
+    def adjust(
+        self, finite: bool | tf.Tensor, iteration: Any, evidence: Any = None, scale: Any = None
+    ) -> None:
         """The transition after one step (`next_state`), assigned to the state variables.
 
         Args:
@@ -595,29 +610,35 @@ class LossScale(tf.Module):
                 `iterations`), before this step; read only for an overflow.
             evidence: The vector from `check`, or `None`. On an overflow, it tells which
                 variables' gradients were not finite (counted in the attribution state).
+            scale: The scale the step used, where read before the branch (not read again).
         """
         if not isinstance(finite, bool):
             tf.cond(
                 finite,
-                lambda: self.adjust(True, iteration),
-                lambda: self.adjust(False, iteration, evidence),
+                lambda: self.adjust(True, iteration, scale=scale),
+                lambda: self.adjust(False, iteration, evidence, scale),
             )
             return
         flags = None
         if not finite and evidence is not None and self.nonfinite_steps is not None:
             flags = nonfinite_flags(evidence, tf.bool)
-        state = self.state_now(reads(self.config, finite))
+        state = self.state_now(reads(self.config, finite), {"scale": scale})
         new = next_state(self.config, state, finite, iteration, flags)
         variables = self.variables_by_name()
         for name, before, after in zip(STATE_FIELDS, state, new):
             if after is not before:  # only the fields the step changed
                 variables[name].assign(after)
 
-    def state_now(self, names: Sequence[str] = STATE_FIELDS) -> LossScaleState:
+    def state_now(
+        self, names: Sequence[str] = STATE_FIELDS, known: dict[str, Any] | None = None
+    ) -> LossScaleState:
         """The state variables' values, read at this point of the step (`read_now`); with
-        `names`, only those fields (the others `None`: a branch reads what it uses)."""
+        `names`, only those fields (the others `None`: a branch reads what it uses); `known`:
+        values read already this step (None: not known), not read again."""
         variables = self.variables_by_name()
-        read = {name: read_now(variables[name]) for name in names if name in variables}
+        known = {k: v for k, v in (known or {}).items() if v is not None}
+        wanted = [name for name in names if name in variables]
+        read = {n: known[n] if n in known else read_now(variables[n]) for n in wanted}
         return LossScaleState(**{name: read.get(name) for name in STATE_FIELDS})
 
     def variables_by_name(self) -> dict[str, Any]:
@@ -670,24 +691,3 @@ class LossScale(tf.Module):
             "step": step_number(read_now(iterations), total),
             "last_overflow_step": tf.where(total > 0, last, tf.constant(-1, last.dtype)),
         }
-
-
-def min_scale_report(state: LossScale) -> str | None:
-    """The message for the first overflow at `min_scale` of `state`, or None (one host read)."""
-    step = int(state.min_scale_overflow_iteration.numpy())
-    if step < 0:
-        return None
-    return (
-        f"Gradients were not finite at step {step} (0-based, skipped steps counted) "
-        f"although the loss scale was already at min_scale={state.config.min_scale!r}, "
-        "where lowering it cannot help: that step was skipped. Likely causes are NaN/Inf in "
-        "the inputs or labels, a learning rate that is too high, or a layer (softmax, loss, "
-        "output) that must run in float32; fix the data or model, or lower min_scale. "
-        f"{docs_page('guides/why-overflow')}"
-    )
-
-
-def reset_longest_overflow_run(state: LossScale) -> None:
-    """Starts `state.longest_overflow_run` from 0 again (outside the step: `OverflowGuard` does
-    at `on_train_begin`); a run still going on counts whole at its next overflow."""
-    state.longest_overflow_run.assign(0)

@@ -8,9 +8,7 @@ the unit's transition. All state is variables; nothing that decides a step is Py
 
 from __future__ import annotations
 
-import threading
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,10 +29,8 @@ from tfmixprec.scaling.loss_scale import (
     LossScaleConfig,
     all_finite,
     check,
-    min_scale_report,
     nonfinite_flags,
     read_now,
-    reset_longest_overflow_run,
 )
 from tfmixprec.scaling.optimizer_args import (
     check_on_min_scale,
@@ -42,36 +38,9 @@ from tfmixprec.scaling.optimizer_args import (
     resolve_optimizer,
 )
 from tfmixprec.scaling.state_file import load, save
+from tfmixprec.scaling.step_notes import StepNotes
 
 __all__ = ["LossScaleOptimizer"]  # and `resolve_optimizer`, from `optimizer_args`
-
-_NOTED = threading.Lock()  # replicas trace in threads at once
-
-
-class _StepFlags:
-    """While tracing, per thread: the finite flag of the last `apply` traced there and the
-    graph it branched in (weakly, and the flag by name: no graph is held), for `skipped()`.
-    Any `apply` in the thread, in any graph (a cond, a loop, a nested function), drops it."""
-
-    def __init__(self) -> None:
-        self._noted: dict[int, tuple[Any, str]] = {}
-
-    def forget(self) -> None:
-        with _NOTED:
-            self._noted.pop(threading.get_ident(), None)
-
-    def note(self, finite: tf.Tensor) -> None:
-        graph = weakref.ref(tf.compat.v1.get_default_graph())
-        with _NOTED:
-            self._noted[threading.get_ident()] = (graph, finite.name)
-
-    def here(self) -> tf.Tensor | None:
-        """The flag noted in this thread, if the graph being traced is the one it is in."""
-        graph = tf.compat.v1.get_default_graph()
-        with _NOTED:
-            noted, name = self._noted.get(threading.get_ident(), (None, ""))
-        return graph.get_tensor_by_name(name) if noted is not None and noted() is graph else None
-
 
 # What `read_state()` returns; `get_config()` writes `CONFIG_NAMES` besides name and inner.
 STATE_NAMES = (
@@ -120,6 +89,21 @@ def _unscale_targets(
             "Pass get_unscaled_gradients(grads, variables)."
         )
     return [opt.overwrites_with_gradient(v) for v in tracked], list(range(len(tracked)))
+
+
+def _min_scale_report(state: Any) -> str | None:
+    """The message for the first overflow at `min_scale` of `state`, or None (one host read)."""
+    step = int(state.min_scale_overflow_iteration.numpy())
+    if step < 0:
+        return None
+    return (
+        f"Gradients were not finite at step {step} (0-based, skipped steps counted) "
+        f"although the loss scale was already at min_scale={state.config.min_scale!r}, "
+        "where lowering it cannot help: that step was skipped. Likely causes are NaN/Inf in "
+        "the inputs or labels, a learning rate that is too high, or a layer (softmax, loss, "
+        "output) that must run in float32; fix the data or model, or lower min_scale. "
+        f"{docs_page('guides/why-overflow')}"
+    )
 
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
@@ -204,7 +188,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
             lambda name, dtype, value, shape=(): self._state_variable(name, shape, dtype, value),
         )
         self._accumulator: GradientAccumulator | None = None  # made by `build`
-        self._step_flags = _StepFlags()  # for `skipped()` right after `apply`
+        self._notes = StepNotes()  # what one part of a traced step reuses from another
 
     def _state_variable(self, name: str, shape: tuple, dtype: str, value: float) -> Any:
         # All replicas compute the same value; take the first replica's write.
@@ -337,8 +321,11 @@ class LossScaleOptimizer(KerasLossScaleHooks):
     # ------------------------------------------------------------ loss scaling
     def scale_loss(self, loss: Any) -> tf.Tensor:
         """Multiplies `loss` by the current scale, in float32, and starts a step: gradients
-        of it passed to `apply` are unscaled there (Keras 3's way)."""
-        return self._loss_scale.scale(loss)
+        of it passed to `apply` are unscaled there (Keras 3's way), with the scale read here."""
+        scale = self._loss_scale.step_scale()
+        if scale is not None:  # for this graph's next `apply` (`step_notes`)
+            self._notes.note("scaled_with", scale)
+        return self._loss_scale.scale(loss, scale)
 
     def get_scaled_loss(self, loss: Any) -> tf.Tensor | Callable[[], tf.Tensor]:
         """TensorFlow 2's name for `scale_loss`; also accepts a zero-argument callable.
@@ -392,13 +379,19 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
-        self._step_flags.forget()  # a new step: no flag noted in this thread is its own
+        # The scale the gradients were scaled with, if `scale_loss` read it in this graph
+        # since the last `apply`; else read here. A new step: nothing noted before is its own.
+        scale = self._notes.here("scaled_with")
+        self._notes.forget()
+        scale = self._loss_scale.step_scale() if scale is None else scale
+        if scale is not None:  # for the branches and the batch keeper: read once
+            self._notes.note("scale", scale)
         tracked = self.tracked_variables()
         variables = tracked if trainable_variables is None else list(trainable_variables)
         keep = [self.overwrites_with_gradient(v) for v in variables]
         indices = [self.variable_index(v) for v in variables]
         has_float8 = any(map(self.overwrites_with_gradient, tracked))
-        grads = self._loss_scale.unscale_received(grads, keep, indices, has_float8)
+        grads = self._loss_scale.unscale_received(grads, keep, indices, has_float8, scale)
         if self._accumulator is None:
             super().apply(grads, trainable_variables)
         else:  # this replica's flags only: the window's are all-reduced once, at its end
@@ -426,17 +419,18 @@ class LossScaleOptimizer(KerasLossScaleHooks):
     def note_step(self, finite: tf.Tensor) -> None:
         """While tracing, after the apply-or-skip branch on `finite` in this graph: the flag
         `skipped()` returns here, until the next `apply` in this thread (in any graph)."""
-        self._step_flags.note(finite)
+        self._notes.note("finite", finite)
 
     def apply_finite_step(self, grads: Sequence[Any], trainable_variables: Any) -> None:
         """Applies already unscaled gradients through the inner optimizer; counts a clean step."""
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
-        self._loss_scale.adjust(True, self.iterations)
+        self._loss_scale.adjust(True, self.iterations, scale=self._notes.here("scale", True))
 
     def skip_step(self, evidence: Any = None) -> None:
         """Leaves weights and slots alone; counts the overflow (and, given `evidence` from
         `check_step`, which variables' gradients were not finite) and backs the scale off."""
-        self._loss_scale.adjust(False, self.iterations, evidence)
+        scale = self._notes.here("scale", True)  # the step's, read before the branch
+        self._loss_scale.adjust(False, self.iterations, evidence, scale)
 
     # ------------------------------------------------------------ readers
     def last_overflow_step(self) -> tf.Tensor:
@@ -452,6 +446,12 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         skipped = self.skipped() if skipped is None else skipped
         return self._loss_scale.log_values(self.iterations, skipped)
 
+    def scale_used(self) -> tf.Tensor | None:
+        """While tracing, after an `apply` in this graph (this `tf.function`, this replica):
+        the loss scale that step used, read before its apply-or-skip branch (on an overflow
+        step, the scale that overflowed), with no read; else None."""
+        return self._notes.here("scale")
+
     def skipped(self) -> tf.Tensor:
         """Whether the step that just ran was skipped (a scalar bool, read in the graph):
         after `apply`, its gradients were not finite. With accumulation only the micro-batch
@@ -459,7 +459,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         (this `tf.function`, this replica), its finite check's own flag: no read."""
         finite = None
         if self._accumulator is None and not tf.executing_eagerly():
-            finite = self._step_flags.here()
+            finite = self._notes.here("finite")
         if finite is not None:  # its negation, made once in this graph
             made = [op for op in finite.consumers() if op.type == "LogicalNot"]
             return made[0].outputs[0] if made else tf.logical_not(finite)
@@ -522,7 +522,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         """
         if self.on_min_scale == "ignore" or self._min_scale_reported:
             return
-        message = min_scale_report(self._loss_scale)
+        message = _min_scale_report(self._loss_scale)
         if message is None:
             return
         self._min_scale_reported = True
@@ -541,7 +541,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
     def reset_longest_overflow_run(self) -> None:
         """Starts `longest_overflow_run` from 0 again (outside the step; `OverflowGuard` calls
         it at `on_train_begin`, then reads the longest run at each check)."""
-        reset_longest_overflow_run(self._loss_scale)
+        self._loss_scale.longest_overflow_run.assign(0)
 
     def start_at(self, scale: float) -> None:
         """Before the first step, starts the scale at `scale` (`CalibrationReport.apply`):
