@@ -28,8 +28,9 @@ from tfmixprec.scaling.loss_scale import read_now
 __all__ = ["guard_state"]
 
 
-def _restore(copy: tf.Variable, skipped: tf.Tensor, saved: tf.Tensor) -> tf.Tensor:
-    value = tf.where(skipped, saved, read_now(copy))
+def _restore(copy: Any, skipped: tf.Tensor, saved: tf.Tensor, now: Any = None) -> tf.Tensor:
+    """`copy` put back to `saved` where `skipped` (`now`: its value, where known unread)."""
+    value = tf.where(skipped, saved, read_now(copy) if now is None else now)
     copy.assign(value)
     return value
 
@@ -114,18 +115,22 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[GuardedStep]:
         return
     # Only what the block may write (a frozen layer's weights are read, never written), with
     # selects, not a `cond`: on a GPU a `cond` outside XLA waits for its flag on the host.
-    written = guarded.written = written_since(first, variables)
+    written, assigned = written_since(first, variables)
+    guarded.written = written
     pairs = [(v, s) for v, s in zip(variables, saved) if id(v) in written]
     if tf.distribute.has_strategy():  # each replica its own copies, in one merge_call
         update_each_copy([(v, _restore, (skipped, s)) for v, s in pairs])
         return
-    guarded.restored = {id(v): _restore(v, skipped, value) for v, value in pairs}
+    restored = {id(v): _restore(v, skipped, s, assigned.get(id(v))) for v, s in pairs}
+    guarded.restored = restored
 
 
-def written_since(first: int, variables: list[Any]) -> set[int]:
+def written_since(first: int, variables: list[Any]) -> tuple[set[int], dict[int, tf.Tensor]]:
     """The ids of those of `variables` that an op added to the graph being traced since its
     op `first` may write: one that takes the variable's handle for anything but a read (a
-    write, or a function, branch or loop that may write inside)."""
+    write, or a function, branch or loop that may write inside); and, by id, the value each
+    holds after them where the last such op is an assignment (`AssignVariableOp`) of one copy
+    (no strategy): that value, so that it is not read again."""
     graph = tf.compat.v1.get_default_graph()
     inside = {id(outer): inner for outer, inner in graph.captures}
     owner = {}
@@ -133,11 +138,14 @@ def written_since(first: int, variables: list[Any]) -> set[int]:
         for copy in _copies(variable):
             handle = inside.get(id(copy.handle), copy.handle)
             owner[handle.ref()] = variable
-    written = set()
+    written: dict[int, Any] = {}  # by id: the value last assigned, or None
     for op in graph.get_operations()[first:]:
         if op.type not in _READS:
-            written.update(id(owner[t.ref()]) for t in op.inputs if t.ref() in owner)
-    return written
+            for t in op.inputs:
+                if t.ref() in owner:
+                    plain = op.type == "AssignVariableOp" and t is op.inputs[0]
+                    written[id(owner[t.ref()])] = op.inputs[1] if plain else None
+    return set(written), {key: value for key, value in written.items() if value is not None}
 
 
 _READS = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp"})
