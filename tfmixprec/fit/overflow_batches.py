@@ -115,7 +115,7 @@ def _words(value: tf.Tensor, vector: tf.Tensor) -> tf.Tensor:
     if value.dtype.size < 4:  # bytes, padded to a whole word, four bytes a word
         value = tf.cast(value, tf.uint8) if value.dtype == tf.bool else value
         value = tf.bitcast(value, tf.uint8) if value.dtype != tf.uint8 else value
-        value = tf.reshape(value, [-1])
+        value = tf.reshape(value, vector)
         size = value.shape.num_elements()
         extra = -size % 4 if size is not None else tf.math.floormod(-tf.size(value), 4)
         value = tf.pad(value, [[0, extra]])
