@@ -116,3 +116,31 @@ def test_steps_in_one_function_under_two_replicas(two_cpu_strategy):
     (scales, weights), (eager_scales, eager_weights) = run(True), run(False)
     assert scales == eager_scales == [16.0, 8.0, 16.0, 32.0, 16.0, 32.0]
     np.testing.assert_array_equal(weights, eager_weights)
+
+
+@pytest.mark.parametrize("growth_steps", [1, 1000])
+def test_a_scale_assigned_between_scale_loss_and_apply_is_read_again(growth_steps):
+    """The user assigns the scale after `scale_loss` read it, in the step: `apply` unscales
+    with the scale assigned and its branches grow from it or keep it, as eagerly."""
+
+    def run(traced):
+        opt = LossScaleOptimizer(
+            keras.optimizers.SGD(0.5), initial_scale=8.0, dynamic_growth_steps=growth_steps
+        )
+        var = keras.Variable(np.ones(3, "float32"))
+        opt.build([var])
+
+        def step(factor):
+            with tf.GradientTape() as tape:
+                scaled = opt.scale_loss(tf.reduce_sum(var.value * factor))
+            opt.loss_scale.assign(2.0)
+            opt.apply(tape.gradient(scaled, [var.value]), [var])
+
+        step = tf.function(step) if traced else step
+        for factor in (1.0, np.inf):
+            step(tf.constant(factor))
+        return float(opt.loss_scale), float(opt.last_overflow_scale), var.numpy().tolist()
+
+    assert run(True) == run(False)
+    # Unscaled by 2, not by the 8 it was scaled with: 1 - 0.5 * 8 / 2; backed off from 2.
+    assert run(True) == (1.0, 2.0, [-1.0, -1.0, -1.0])

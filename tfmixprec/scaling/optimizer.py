@@ -381,7 +381,7 @@ class LossScaleOptimizer(KerasLossScaleHooks):
                 self.build(trainable_variables)
         # The scale the gradients were scaled with, if `scale_loss` read it in this graph
         # since the last `apply`; else read here. A new step: nothing noted before is its own.
-        scale = self._notes.here("scaled_with")
+        scale = self._notes.here("scaled_with", unwritten=self._loss_scale.scale_variable)
         self._notes.forget()
         scale = self._loss_scale.step_scale() if scale is None else scale
         if scale is not None:  # for the branches and the batch keeper: read once

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tfmixprec._keras.fit import STEP_COMPILES_ITSELF, loss_tracker, update_each_copy
 from tfmixprec.scaling.loss_scale import read_now
+from tfmixprec.scaling.step_notes import written_since
 
 __all__ = ["guard_state"]
 
@@ -123,38 +124,6 @@ def guard_state(model: keras.Model, optimizer: Any) -> Iterator[GuardedStep]:
         return
     restored = {id(v): _restore(v, skipped, s, assigned.get(id(v))) for v, s in pairs}
     guarded.restored = restored
-
-
-def written_since(first: int, variables: list[Any]) -> tuple[set[int], dict[int, tf.Tensor]]:
-    """The ids of those of `variables` that an op added to the graph being traced since its
-    op `first` may write: one that takes the variable's handle for anything but a read (a
-    write, or a function, branch or loop that may write inside); and, by id, the value each
-    holds after them where the last such op is an assignment (`AssignVariableOp`) of one copy
-    (no strategy): that value, so that it is not read again."""
-    graph = tf.compat.v1.get_default_graph()
-    inside = {id(outer): inner for outer, inner in graph.captures}
-    owner = {}
-    for variable in variables:
-        for copy in _copies(variable):
-            handle = inside.get(id(copy.handle), copy.handle)
-            owner[handle.ref()] = variable
-    written: dict[int, Any] = {}  # by id: the value last assigned, or None
-    for op in graph.get_operations()[first:]:
-        if op.type not in _READS:
-            for t in op.inputs:
-                if t.ref() in owner:
-                    plain = op.type == "AssignVariableOp" and t is op.inputs[0]
-                    written[id(owner[t.ref()])] = op.inputs[1] if plain else None
-    return set(written), {key: value for key, value in written.items() if value is not None}
-
-
-_READS = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp"})
-
-
-def _copies(variable: Any) -> tuple:
-    """The `tf.Variable`s behind a Keras or TF variable (one per replica when distributed)."""
-    value = variable.value if isinstance(variable, keras.Variable) else variable
-    return tuple(getattr(value, "values", None) or (value,))
 
 
 def guarded_step(model: keras.Model, step: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -11,7 +11,10 @@ and each tensor by name: no graph is held):
 - `finite`: the finite check's flag that `apply` branched on, for `skipped()`.
 
 Every `apply` in a thread, in any graph (a branch, a loop, a nested function), drops what
-was noted there before it (`forget`), so nothing of one step is reused by the next.
+was noted there before it (`forget`), so nothing of one step is reused by the next; and a
+scale the step assigned after `scale_loss` read it (the user's, in between) is read again.
+`written_since` says which variables the ops traced since a point may write, and with what
+value where an assignment wrote last (the state guard's, too).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import threading
 import weakref
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 __all__: list[str] = []  # internal: the optimizer's
@@ -31,7 +35,7 @@ class StepNotes:
     """The tensors noted while tracing, by name, in each thread (see the module)."""
 
     def __init__(self) -> None:
-        self._noted: dict[int, dict[str, tuple[Any, str]]] = {}
+        self._noted: dict[int, dict[str, tuple[Any, str, int]]] = {}
 
     def forget(self) -> None:
         """Drops what this thread noted: a new step."""
@@ -42,22 +46,58 @@ class StepNotes:
         """Notes `tensor` under `key` for this thread (nothing eagerly)."""
         if tf.executing_eagerly():
             return
-        graph = weakref.ref(tensor.graph)
+        graph = tensor.graph
+        noted = (weakref.ref(graph), tensor.name, len(graph.get_operations()))
         with _LOCK:
-            self._noted.setdefault(threading.get_ident(), {})[key] = (graph, tensor.name)
+            self._noted.setdefault(threading.get_ident(), {})[key] = noted
 
-    def here(self, key: str, around: bool = False) -> tf.Tensor | None:
+    def here(self, key: str, around: bool = False, unwritten: Any = None) -> tf.Tensor | None:
         """The tensor noted under `key` in this thread if the graph being traced is its graph
         (`around`: or a graph nested in it, such as a branch's, which then captures it);
-        else None, and always None eagerly."""
+        else None, and always None eagerly. `unwritten`: a variable the value was read from,
+        None too where an op since may have written it (the user assigned it in between)."""
         if tf.executing_eagerly():
             return None
         with _LOCK:
-            noted, name = self._noted.get(threading.get_ident(), {}).get(key, (None, ""))
+            noted, name, ops = self._noted.get(threading.get_ident(), {}).get(key, (None, "", 0))
         graph = None if noted is None else noted()
         current = tf.compat.v1.get_default_graph()
+        if unwritten is not None and current is graph and written_since(ops, [unwritten])[0]:
+            return None
         while graph is not None and current is not None:
             if current is graph:
                 return graph.get_tensor_by_name(name)
             current = getattr(current, "outer_graph", None) if around else None
         return None
+
+
+def written_since(first: int, variables: list[Any]) -> tuple[set[int], dict[int, tf.Tensor]]:
+    """The ids of those of `variables` that an op added to the graph being traced since its
+    op `first` may write: one that takes the variable's handle for anything but a read (a
+    write, or a function, branch or loop that may write inside); and, by id, the value each
+    holds after them where the last such op is an assignment (`AssignVariableOp`) of one copy
+    (no strategy): that value, so that it is not read again."""
+    graph = tf.compat.v1.get_default_graph()
+    inside = {id(outer): inner for outer, inner in graph.captures}
+    owner = {}
+    for variable in variables:
+        for copy in _copies(variable):
+            handle = inside.get(id(copy.handle), copy.handle)
+            owner[handle.ref()] = variable
+    written: dict[int, Any] = {}  # by id: the value last assigned, or None
+    for op in graph.get_operations()[first:]:
+        if op.type not in _READS:
+            for t in op.inputs:
+                if t.ref() in owner:
+                    plain = op.type == "AssignVariableOp" and t is op.inputs[0]
+                    written[id(owner[t.ref()])] = op.inputs[1] if plain else None
+    return set(written), {key: value for key, value in written.items() if value is not None}
+
+
+_READS = frozenset({"ReadVariableOp", "VariableShape", "VarIsInitializedOp"})
+
+
+def _copies(variable: Any) -> tuple:
+    """The `tf.Variable`s behind a Keras or TF variable (one per replica when distributed)."""
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    return tuple(getattr(value, "values", None) or (value,))
