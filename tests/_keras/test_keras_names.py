@@ -137,6 +137,9 @@ def owners(tmp_path_factory):
     board = keras.callbacks.TensorBoard(str(tmp_path_factory.mktemp("board")))
     x = np.ones((4, 8), "float32")
     model.fit(x, np.ones((4, 2), "float32"), epochs=1, verbose=0, callbacks=[board])
+    epochs = _EpochsSeen()
+    epochs.compile(keras.optimizers.SGD(0.01), loss="mse")
+    epochs.fit(x, np.ones((4, 2), "float32"), epochs=1, verbose=0)
     attention = keras.layers.MultiHeadAttention(2, 4)
     attention(np.ones((1, 3, 8), "float32"), np.ones((1, 3, 8), "float32"))
     function = tf.function(lambda v: v + 1)
@@ -151,6 +154,7 @@ def owners(tmp_path_factory):
         "Optimizer": model.optimizer,
         "LossScaleOptimizer": keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
         "TensorBoard": board,
+        "EpochIterator": epochs.seen[0],
         "tf.function": function,
         "EagerContext": _eager_context(),
         "train_function": _Closure(model.train_function),
@@ -173,6 +177,24 @@ def _eager_context():
     from tensorflow.python.eager import context  # as _keras/settings.py reads it
 
     return context.context()
+
+
+class _EpochsSeen(keras.Model):
+    """Keeps the epoch iterators Keras's `fit` hands `_maybe_symbolic_build`, as
+    `_keras/fit.py`'s `EpochsClosed` meets them."""
+
+    def __init__(self):
+        super().__init__(name="epochs_seen")
+        self.dense = keras.layers.Dense(2)
+        self.seen = []
+
+    def call(self, x):
+        return self.dense(x)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if iterator is not None:
+            self.seen.append(iterator)
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
 
 class _Subclassed(keras.Model):

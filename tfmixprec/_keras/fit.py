@@ -1,11 +1,13 @@
 """`fit` as tfmixprec hooks into it through Keras internals: the train step replaced and
 the train function built around a step that compiles itself with XLA, multi-worker `fit`,
-TensorBoard's writer and step, the XLA context and the traced train functions."""
+no epoch left suspended when `fit` ends, TensorBoard's writer and step, the XLA context and
+the traced train functions."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -94,6 +96,50 @@ def _as_vector(value: Any) -> Any:
     if isinstance(value, tf.Tensor) and value.shape.rank == 0:
         return tf.reshape(value, [1])
     return value
+
+
+# Host-side only, for `fit`'s end: the epoch iterators Keras made in each model's `fit` now.
+_EPOCHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class EpochsClosed:
+    """Leaves no epoch of Keras's `fit` suspended when `fit` ends: inside `epochs_closed`
+    (around `fit`), the data iterator of a `fit` that ended early goes when `fit` returns.
+    Put it before `keras.Model` in a model class's bases.
+
+    Why: Keras's `TFEpochIterator` keeps its epoch's generator (`_enumerate_iterator`) in the
+    private `_epoch_iterator`, and the generator's frame keeps the epoch iterator: a
+    reference cycle whenever `fit` leaves an epoch before its end (a callback such as
+    `OverflowGuard` sets `stop_training`, or a callback or the step raises). The cycle holds
+    the epoch's `tf.data` iterator, its prefetched batches and its autotune thread until
+    Python's next full collection, which can come minutes later; freeing an autotuned
+    iterator that old can then wait up to a minute for its autotune thread (TF 2.21).
+    Closing the generator (what `for` does at an epoch's end) ends the cycle. Keras hands
+    `fit`'s epoch iterators to `_maybe_symbolic_build`, where they are noted (weakly)."""
+
+    def _maybe_symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
+        if iterator is not None and self in _EPOCHS:
+            _EPOCHS[self].add(iterator)
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+
+@contextlib.contextmanager
+def epochs_closed(model: Any) -> Iterator[None]:
+    """Around `fit`: the epoch generators Keras makes inside for `model` (`EpochsClosed`) are
+    closed at the end; an outer `fit`'s are left to it."""
+    outer = _EPOCHS.get(model)
+    _EPOCHS[model] = mine = weakref.WeakSet()
+    try:
+        yield
+    finally:
+        if outer is None:
+            _EPOCHS.pop(model, None)
+        else:
+            _EPOCHS[model] = outer
+        for epochs in list(mine):
+            generator = getattr(epochs, "_epoch_iterator", None)
+            if inspect.isgenerator(generator):
+                generator.close()
 
 
 class MultiWorkerFit:

@@ -54,6 +54,7 @@ OWNERS = (
     "Optimizer",
     "LossScaleOptimizer",
     "TensorBoard",
+    "EpochIterator",  # Keras's `fit` iterates its epochs with one (`TFEpochIterator`)
     "tf.function",
     "EagerContext",
     "train_function",  # Keras's Python train function: its closure variables
@@ -82,7 +83,10 @@ INTERNALS = (
     Internal("fit", "TensorBoard._should_write_train_graph", "whether Keras's batch end works"),
     Internal("fit", "TensorBoard._should_trace", "whether Keras's batch end works"),
     Internal("fit", "Model._loss_tracker", "whether any step of the epoch was applied"),
-    Internal("fit", "Model._maybe_symbolic_build", "MultiWorkerFit: builds from one batch"),
+    Internal(
+        "fit", "Model._maybe_symbolic_build", "MultiWorkerFit: builds from one batch; EpochsClosed"
+    ),
+    Internal("fit", "EpochIterator._epoch_iterator", "EpochsClosed: the epoch's generator"),
     Internal("fit", "Model._make_function", "MultiWorkerFit: the step's scalar logs as vectors"),
     Internal("fit", "tf.function._list_all_concrete_functions", "the traced train functions"),
     Internal("fit", "Model.train_function", "traced_train_functions: Keras's Python function"),
