@@ -181,7 +181,7 @@ def _eager_context():
 
 class _EpochsSeen(keras.Model):
     """Keeps the epoch iterators Keras's `fit` hands `_maybe_symbolic_build`, as
-    `_keras/fit.py`'s `EpochsClosed` meets them."""
+    `_keras/fit.py`'s `epochs_closed` meets them."""
 
     def __init__(self):
         super().__init__(name="epochs_seen")

@@ -16,6 +16,7 @@ from overflow_models import overflowing
 
 import tfmixprec
 from tfmixprec import LossScaleOptimizer, OverflowGuard
+from tfmixprec.tools.bench import time_fit
 
 BATCH = 4
 KINDS = [keras.Model, tfmixprec.MixedPrecisionModel]
@@ -101,9 +102,27 @@ def test_a_mixed_precision_model_fit_left_early_leaves_no_iterator(raise_error):
     reason="Keras's own cycle (Keras 3.15): TFEpochIterator._epoch_iterator is the epoch's "
     "generator, whose frame holds the TFEpochIterator and its _current_iterator; a fit that "
     "leaves an epoch early leaves it to the next full collection. MixedPrecisionModel.fit "
-    "closes the generator; a callback cannot reach it.",
+    "closes the generator (_keras/fit.py, epochs_closed); a callback cannot reach it.",
 )
 @pytest.mark.parametrize("raise_error", [False, True], ids=["stops", "raises"])
 def test_a_keras_model_fit_left_early_leaves_its_iterator_to_keras(raise_error):
     model = _tiny(keras.Model)
     assert iterators_left(lambda: _stopped(model, raise_error)) == []
+
+
+def test_a_benchmark_fit_that_raised_leaves_no_iterator():
+    """`tfmixprec bench` times a user's plain keras.Model with `time_fit`; a fit there that
+    raised keeps its iterator only as long as the error."""
+    model = _tiny(keras.Model)
+    dataset = tf.data.Dataset.from_tensor_slices(_data()).batch(BATCH).repeat()
+
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("boom")
+
+    def fit():
+        with pytest.raises(RuntimeError, match="boom"):
+            time_fit(model, dataset, steps=4, callbacks=[Boom()])
+
+    assert iterators_left(fit) == []

@@ -98,14 +98,10 @@ def _as_vector(value: Any) -> Any:
     return value
 
 
-# Host-side only, for `fit`'s end: the epoch iterators Keras made in each model's `fit` now.
-_EPOCHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class EpochsClosed:
-    """Leaves no epoch of Keras's `fit` suspended when `fit` ends: inside `epochs_closed`
-    (around `fit`), the data iterator of a `fit` that ended early goes when `fit` returns.
-    Put it before `keras.Model` in a model class's bases.
+@contextlib.contextmanager
+def epochs_closed(model: Any) -> Iterator[None]:
+    """Around a `fit` of `model` (any Keras model): no epoch of that `fit` is left suspended
+    when it ends, so the data iterator of a `fit` left early goes when `fit` returns.
 
     Why: Keras's `TFEpochIterator` keeps its epoch's generator (`_enumerate_iterator`) in the
     private `_epoch_iterator`, and the generator's frame keeps the epoch iterator: a
@@ -115,28 +111,25 @@ class EpochsClosed:
     Python's next full collection, which can come minutes later; freeing an autotuned
     iterator that old can then wait up to a minute for its autotune thread (TF 2.21).
     Closing the generator (what `for` does at an epoch's end) ends the cycle. Keras hands
-    `fit`'s epoch iterators to `_maybe_symbolic_build`, where they are noted (weakly)."""
+    each epoch iterator it makes to `_maybe_symbolic_build`, patched here to note them
+    (weakly); an outer `fit`'s are left to it."""
+    noted: weakref.WeakSet = weakref.WeakSet()
 
-    def _maybe_symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
-        if iterator is not None and self in _EPOCHS:
-            _EPOCHS[self].add(iterator)
-        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+    def make(build: Any) -> Any:
+        def noting(*args: Any, **kwargs: Any) -> Any:
+            iterator = kwargs.get("iterator", args[0] if args else None)
+            if iterator is not None:
+                noted.add(iterator)
+            return build(*args, **kwargs)
 
+        return noting
 
-@contextlib.contextmanager
-def epochs_closed(model: Any) -> Iterator[None]:
-    """Around `fit`: the epoch generators Keras makes inside for `model` (`EpochsClosed`) are
-    closed at the end; an outer `fit`'s are left to it."""
-    outer = _EPOCHS.get(model)
-    _EPOCHS[model] = mine = weakref.WeakSet()
+    handle = patch(model, "_maybe_symbolic_build", "epochs closed", make, raw=True)
     try:
         yield
     finally:
-        if outer is None:
-            _EPOCHS.pop(model, None)
-        else:
-            _EPOCHS[model] = outer
-        for epochs in list(mine):
+        handle.undo()
+        for epochs in list(noted):
             generator = getattr(epochs, "_epoch_iterator", None)
             if inspect.isgenerator(generator):
                 generator.close()

@@ -84,9 +84,9 @@ INTERNALS = (
     Internal("fit", "TensorBoard._should_trace", "whether Keras's batch end works"),
     Internal("fit", "Model._loss_tracker", "whether any step of the epoch was applied"),
     Internal(
-        "fit", "Model._maybe_symbolic_build", "MultiWorkerFit: builds from one batch; EpochsClosed"
+        "fit", "Model._maybe_symbolic_build", "MultiWorkerFit: builds from one batch; epochs_closed"
     ),
-    Internal("fit", "EpochIterator._epoch_iterator", "EpochsClosed: the epoch's generator"),
+    Internal("fit", "EpochIterator._epoch_iterator", "epochs_closed: the epoch's generator"),
     Internal("fit", "Model._make_function", "MultiWorkerFit: the step's scalar logs as vectors"),
     Internal("fit", "tf.function._list_all_concrete_functions", "the traced train functions"),
     Internal("fit", "Model.train_function", "traced_train_functions: Keras's Python function"),

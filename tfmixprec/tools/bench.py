@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from tfmixprec._common.validate import check_int_at_least_one
+from tfmixprec._keras.fit import epochs_closed
 from tfmixprec.fit.training import MixedPrecisionModel
 from tfmixprec.precision import cpu_float16
 from tfmixprec.precision.hardware import detect_hardware
@@ -151,14 +152,15 @@ def time_fit(
 ) -> StepTimer:
     """Runs `fit` for `steps` steps; returns the timer (its `per_step` is the figure)."""
     timer = timer or StepTimer(steps)
-    model.fit(
-        dataset,
-        epochs=1,
-        steps_per_epoch=steps,
-        verbose=0,
-        shuffle=False,
-        callbacks=list(callbacks) + [timer],  # last: runs after the others for each batch
-    )
+    with epochs_closed(model):  # a fit that raised frees its data iterator with the error
+        model.fit(
+            dataset,
+            epochs=1,
+            steps_per_epoch=steps,
+            verbose=0,
+            shuffle=False,
+            callbacks=list(callbacks) + [timer],  # last: runs after the others for each batch
+        )
     return timer
 
 
