@@ -1,5 +1,6 @@
 """Shared test setup: quiet TensorFlow, two logical CPU devices, a clean global policy."""
 
+import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -26,6 +27,18 @@ def _restore_global_policy():
     keras.config.set_dtype_policy("float32")
     yield
     keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture
+def fit_left_early():
+    """For a test whose plain `keras.Model` leaves a `fit` before the end of an epoch (a
+    callback stops it or raises): Keras's epoch iterator and its epoch's generator hold each
+    other (`tests/fit/test_fit_iterators.py`), with the fit's `tf.data` iterator, until a full
+    collection, which may come minutes later in another test; freeing an autotuned iterator
+    that old took 20-50 s there. Collected at the end of the test that made the cycle, where
+    freeing the iterator is quick. (`MixedPrecisionModel.fit` closes the generator itself.)"""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

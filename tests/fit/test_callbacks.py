@@ -111,6 +111,7 @@ def test_guard_ignores_isolated_overflows():
     assert int(model.optimizer.overflow_steps) == 6
 
 
+@pytest.mark.usefixtures("fit_left_early")  # the guard leaves the epoch: Keras's cycle
 def test_guard_stops_on_persistent_nan_data(capsys):
     model = _model()
     guard = OverflowGuard(max_consecutive=3)
@@ -125,6 +126,7 @@ def test_guard_stops_on_persistent_nan_data(capsys):
     assert guard.stop_message in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("fit_left_early")  # the guard leaves the epoch: Keras's cycle
 def test_guard_patience_at_min_scale():
     model = _model(initial_scale=4.0, min_scale=1.0, on_min_scale="ignore")
     guard = OverflowGuard(patience=3, max_consecutive=100, verbose=0)
@@ -139,6 +141,7 @@ def test_guard_patience_at_min_scale():
     assert model.optimizer.read_state()["min_scale_overflows"] == 3
 
 
+@pytest.mark.usefixtures("fit_left_early")  # the guard leaves the epoch: Keras's cycle
 def test_guard_restores_the_weights_of_the_last_clean_step():
     """One skipped batch (1) keeps the epoch's running-mean loss infinite for the rest of the
     epoch; the guard still restores the weights after the last applied step (13), not those
@@ -159,6 +162,7 @@ def test_guard_restores_the_weights_of_the_last_clean_step():
     assert any((a != b).any() for a, b in zip(seen[0], model.get_weights()))
 
 
+@pytest.mark.usefixtures("fit_left_early")  # the guard leaves the epoch: Keras's cycle
 def test_guard_raise_and_restore():
     model = _model()
     x, y = _data(bad_batches=range(2, 8))
@@ -190,6 +194,7 @@ def test_guard_raise_and_restore():
     assert "The weights after the last clean step were restored." in guard.stop_message
 
 
+@pytest.mark.usefixtures("fit_left_early")  # the guard leaves the epoch: Keras's cycle
 @pytest.mark.parametrize("update_freq, stopped_step", [(1, 2), (4, 4), (3, 3)])
 def test_guard_checks_every_update_freq_batches(update_freq, stopped_step):
     model = _model()
@@ -347,6 +352,7 @@ def test_guard_min_scale_count_starts_again_when_the_scale_grows():
     assert model.optimizer.read_state()["min_scale_overflows"] == 1
 
 
+@pytest.mark.usefixtures("fit_left_early")  # the guard leaves the epoch: Keras's cycle
 @pytest.mark.parametrize("kind", ["keras", "tfmixprec"])
 def test_guard_sees_a_run_inside_executions(kind):
     # 5 overflows in a row (steps 2-6) with 4 steps per execution: the guard sees the ends

@@ -108,6 +108,7 @@ def test_no_loss_scaling_needed(policy, dtype_line, tmp_path, capsys):
     ]
 
 
+@pytest.mark.usefixtures("fit_left_early")  # a fit left early: Keras's cycle
 def test_guard_without_loss_scaling_stops_on_a_non_finite_loss():
     model = _model("mixed_bfloat16")
     model.compile(optimizer="sgd", loss="mse")
@@ -208,6 +209,7 @@ def test_adoption_under_a_mirrored_strategy(two_cpu_strategy, capsys):
     assert "its state carried over" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("fit_left_early")  # a fit left early: Keras's cycle
 @pytest.mark.parametrize("order", ["backup first", "backup last"])
 def test_backup_and_restore_in_any_order_resumes_the_loss_scale_exactly(tmp_path, order):
     """A plain model compiled the Keras way: the tfmixprec callback adopts Keras's optimizer

@@ -344,6 +344,7 @@ def test_a_fixed_scale_is_left_as_it_is():
     assert "loss scale goes on" not in str(repair.repairs[0])
 
 
+@pytest.mark.usefixtures("fit_left_early")  # the fit raises: Keras's cycle
 def test_a_fit_that_raised_leaves_no_keeping_behind():
     """Keras skips on_train_end when fit raises: the next fit's keeper replaces the stale one,
     which keeps nothing more, and the step is wrapped once (guarded once)."""

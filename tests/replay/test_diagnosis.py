@@ -425,6 +425,7 @@ def _plain_bad_run_model():
     return model
 
 
+@pytest.mark.usefixtures("fit_left_early")  # the fit raises: Keras's cycle
 def test_diagnose_after_a_fit_that_raised_on_a_plain_model():
     """Keras skips on_train_end when fit raises: the next fit's callbacks replace the keeper
     the failed fit left (full), instead of reusing it."""
