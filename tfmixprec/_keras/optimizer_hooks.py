@@ -125,13 +125,15 @@ class KerasLossScaleHooks(keras.optimizers.LossScaleOptimizer):
         tf.distribute.get_replica_context().merge_call(in_cross_replica, args=(ready,))
 
     def _checked_step(self, grads: Any, variables: Any) -> None:
-        """In replica context: the finite check, then apply or skip."""
+        """In replica context: the finite check, then apply or skip, each branch from the
+        scale the `apply` in this thread read (`scale_used`: no read in the branches)."""
         finite, evidence = self.check_step(grads, variables)
+        scale = self.scale_used()
         with tf.name_scope("apply_or_skip"):
             tf.cond(
                 finite,
-                lambda: self.apply_finite_step(grads, variables),
-                lambda: self.skip_step(evidence),
+                lambda: self.apply_finite_step(grads, variables, scale=scale),
+                lambda: self.skip_step(evidence, scale=scale),
             )
         if not tf.executing_eagerly():
             self.note_step(finite)

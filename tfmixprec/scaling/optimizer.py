@@ -421,15 +421,18 @@ class LossScaleOptimizer(KerasLossScaleHooks):
         `skipped()` returns here, until the next `apply` in this thread (in any graph)."""
         self._notes.note("finite", finite)
 
-    def apply_finite_step(self, grads: Sequence[Any], trainable_variables: Any) -> None:
-        """Applies already unscaled gradients through the inner optimizer; counts a clean step."""
+    def apply_finite_step(
+        self, grads: Sequence[Any], trainable_variables: Any, scale: Any = None
+    ) -> None:
+        """Applies already unscaled gradients through the inner optimizer; counts a clean step
+        (`scale`: the step's scale, where read before the branch)."""
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
-        self._loss_scale.adjust(True, self.iterations, scale=self._notes.here("scale", True))
+        self._loss_scale.adjust(True, self.iterations, scale=scale)
 
-    def skip_step(self, evidence: Any = None) -> None:
+    def skip_step(self, evidence: Any = None, scale: Any = None) -> None:
         """Leaves weights and slots alone; counts the overflow (and, given `evidence` from
-        `check_step`, which variables' gradients were not finite) and backs the scale off."""
-        scale = self._notes.here("scale", True)  # the step's, read before the branch
+        `check_step`, which variables' gradients were not finite) and backs the scale off
+        (`scale`: the step's scale, where read before the branch)."""
         self._loss_scale.adjust(False, self.iterations, evidence, scale)
 
     # ------------------------------------------------------------ readers

@@ -7,12 +7,14 @@ and each tensor by name: no graph is held):
 - `scaled_with`: the loss scale `scale_loss` read, for the `apply` that follows it in that
   graph: the gradients it receives were scaled with it, so they are unscaled with it;
 - `scale`: the scale that `apply` used, read before its apply-or-skip branch, which grows or
-  backs off from it, and which the batch keeper records (`step_scale()`);
+  backs off from it (handed to both branches where they are built in `apply`'s thread),
+  and which the batch keeper records (`scale_used()`);
 - `finite`: the finite check's flag that `apply` branched on, for `skipped()`.
 
 Every `apply` in a thread, in any graph (a branch, a loop, a nested function), drops what
 was noted there before it (`forget`), so nothing of one step is reused by the next; and a
-scale the step assigned after `scale_loss` read it (the user's, in between) is read again.
+scale written after `scale_loss` read it (an assignment in between, or an earlier step's
+branch in the same graph, noted by a thread whose id this one now has) is read again.
 `written_since` says which variables the ops traced since a point may write, and with what
 value where an assignment wrote last (the state guard's, too).
 """
@@ -51,24 +53,21 @@ class StepNotes:
         with _LOCK:
             self._noted.setdefault(threading.get_ident(), {})[key] = noted
 
-    def here(self, key: str, around: bool = False, unwritten: Any = None) -> tf.Tensor | None:
-        """The tensor noted under `key` in this thread if the graph being traced is its graph
-        (`around`: or a graph nested in it, such as a branch's, which then captures it);
-        else None, and always None eagerly. `unwritten`: a variable the value was read from,
-        None too where an op since may have written it (the user assigned it in between)."""
+    def here(self, key: str, unwritten: Any = None) -> tf.Tensor | None:
+        """The tensor noted under `key` in this thread if the graph being traced is its
+        graph; else None, and always None eagerly. `unwritten`: the variable it was read
+        from, None too where an op since may have written it (an assignment in between, or
+        an earlier step whose thread had this thread's id)."""
         if tf.executing_eagerly():
             return None
         with _LOCK:
             noted, name, ops = self._noted.get(threading.get_ident(), {}).get(key, (None, "", 0))
-        graph = None if noted is None else noted()
-        current = tf.compat.v1.get_default_graph()
-        if unwritten is not None and current is graph and written_since(ops, [unwritten])[0]:
+        graph = tf.compat.v1.get_default_graph()
+        if noted is None or noted() is not graph:
             return None
-        while graph is not None and current is not None:
-            if current is graph:
-                return graph.get_tensor_by_name(name)
-            current = getattr(current, "outer_graph", None) if around else None
-        return None
+        if unwritten is not None and written_since(ops, [unwritten])[0]:
+            return None
+        return graph.get_tensor_by_name(name)
 
 
 def written_since(first: int, variables: list[Any]) -> tuple[set[int], dict[int, tf.Tensor]]:
