@@ -22,21 +22,30 @@ BATCH = 4
 KINDS = [keras.Model, tfmixprec.MixedPrecisionModel]
 
 
-def _iterators():
+def _iterators(generation=None):
     kinds = (tf.data.Iterator, tf.distribute.DistributedIterator)
-    return [o for o in gc.get_objects() if isinstance(o, kinds)]
+    return [o for o in gc.get_objects(generation) if isinstance(o, kinds)]
+
+
+def _collections():
+    return [stats["collections"] for stats in gc.get_stats()]
 
 
 def iterators_left(fit):
     """The names of the iterators that `fit()` made and that are alive after it. Python's
-    cyclic collector is off meanwhile: what only a later collection would free counts."""
+    cyclic collector is off meanwhile: what only a later collection would free counts. What
+    `fit()` made is then in the youngest generation alone (nothing collected it since the
+    collection before it), which is all that is scanned: in a process that ran many tests
+    before, the whole heap is large. Where something collected during `fit()` after all,
+    the whole heap is scanned."""
     gc.collect()
     before = weakref.WeakSet(_iterators())
-    enabled = gc.isenabled()
+    enabled, collections = gc.isenabled(), _collections()
     gc.disable()
     try:
         fit()
-        return sorted(type(o).__name__ for o in _iterators() if o not in before)
+        young = 0 if _collections() == collections else None
+        return sorted(type(o).__name__ for o in _iterators(young) if o not in before)
     finally:
         if enabled:
             gc.enable()
