@@ -1,10 +1,30 @@
 """Tests of the bundled data: tfmixprec.datasets.load_digits."""
 
+import hashlib
+import re
+from importlib import metadata
+from pathlib import Path
+
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits
 
 import tfmixprec
+from tfmixprec.tools import datasets
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# SHA-256 of scikit-learn 1.9.1's `sklearn/datasets/data/digits.csv.gz`, which the package
+# carries (tools/data/README.md), and of the 1797 rows (64 pixels in 0..16, then the label, as
+# uint8) that scikit-learn's `load_digits()` gives, sorted: taken with scikit-learn installed.
+SKLEARN_FILE = "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22"
+SKLEARN_ROWS = "f67d6a29d0e1f70e7f0cd9dcf25816b694881f4b8f27f5cc1db59551f0499fb8"
+
+
+def _sorted_rows(images, labels):
+    rows = np.concatenate([images.reshape(len(images), -1), labels[:, None]], axis=1)
+    assert np.array_equal(rows, np.round(rows))
+    rows = rows.astype("uint8")
+    return rows[np.lexsort(rows.T[::-1])]
 
 
 def test_load_digits_shapes_values_and_split():
@@ -14,12 +34,24 @@ def test_load_digits_shapes_values_and_split():
     assert (x_train.dtype, y_train.dtype) == (np.float32, np.int32)
     assert x_train.min() == 0.0 and x_train.max() == 1.0
     assert sorted(set(y_train.tolist())) == list(range(10))
-    # a shuffle of scikit-learn's images: together, each image once
-    digits = load_digits()
-    both = np.concatenate([x_train, x_test])[..., 0] * 16.0
-    order = np.lexsort(both.reshape(1797, -1).T)
-    expected = np.lexsort(digits.images.reshape(1797, -1).T)
-    assert np.array_equal(both[order], digits.images[expected])
+    # a shuffle of scikit-learn's images and labels: together, each image once
+    rows = _sorted_rows(np.concatenate([x_train, x_test]) * 16.0, np.concatenate([y_train, y_test]))
+    assert hashlib.sha256(rows.tobytes()).hexdigest() == SKLEARN_ROWS
+
+
+def test_the_digits_file_is_scikit_learns_and_needs_no_scikit_learn():
+    assert hashlib.sha256(datasets._DIGITS_FILE.read_bytes()).hexdigest() == SKLEARN_FILE
+    readme = (datasets._DIGITS_FILE.parent / "README.md").read_text()
+    assert SKLEARN_FILE in readme and "CC BY 4.0" in readme
+    required = [r for r in metadata.requires("tfmixprec") if "extra ==" not in r]
+    assert [re.split(r"[<>=!~ ;\[]", r)[0] for r in required] == [
+        "tensorflow",
+        "keras",
+        "numpy",
+        "tensorboard",
+    ]
+    shipped = (ROOT / "pyproject.toml").read_text().split("[tool.setuptools.package-data]")[1]
+    assert '"tfmixprec.tools" = ["data/digits.csv.gz", "data/README.md"]' in shipped
 
 
 def test_load_digits_seed_and_fraction():

@@ -1,19 +1,25 @@
-"""Small data sets that ship with tfmixprec's dependencies, for the demo, examples and notebooks.
+"""Small data sets that ship inside tfmixprec, for the demo, examples and notebooks.
 
-Nothing is downloaded: the digits images are part of scikit-learn's wheel. The layout is
-Keras's own (`keras.datasets.mnist.load_data()`): `(x_train, y_train), (x_test, y_test)`.
+Nothing is downloaded: the digits images are a file of the package (`tools/data/`, the copy
+scikit-learn ships, with its source in `tools/data/README.md`). The layout is Keras's own
+(`keras.datasets.mnist.load_data()`): `(x_train, y_train), (x_test, y_test)`.
 """
 
 from __future__ import annotations
 
+import gzip
+from pathlib import Path
 from typing import Any
 
 __all__ = ["load_digits"]
 
+_DIGITS_FILE = Path(__file__).resolve().parent / "data" / "digits.csv.gz"
+
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Any, Any]:
-    """Loads scikit-learn's 1797 handwritten digits (8x8 grey images, 10 classes), shuffled
-    and split into a training and a test set.
+    """Loads 1797 handwritten digits (8x8 grey images, 10 classes), shuffled and split into a
+    training and a test set: the UCI "Optical Recognition of Handwritten Digits" test set,
+    the images scikit-learn's `load_digits` gives.
 
     Args:
         test_fraction: Float. The share of images held out for testing, in (0, 1).
@@ -39,11 +45,11 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Any, Any]:
             f"Received: test_fraction={test_fraction!r}"
         )
     import numpy as np
-    from sklearn import datasets as sklearn_datasets
 
-    digits = sklearn_datasets.load_digits()
-    x = (digits.images[..., None] / 16.0).astype("float32")
-    y = digits.target.astype("int32")
+    with gzip.open(_DIGITS_FILE, "rt") as rows:
+        table = np.loadtxt(rows, delimiter=",")  # 64 pixels (0 to 16), then the label
+    x = (table[:, :-1].reshape(-1, 8, 8, 1) / 16.0).astype("float32")
+    y = table[:, -1].astype("int32")
     order = np.random.default_rng(seed).permutation(len(x))
     cut = int((1.0 - test_fraction) * len(x))
     return (x[order[:cut]], y[order[:cut]]), (x[order[cut:]], y[order[cut:]])
