@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import tfmixprec
+
 ROOT = Path(__file__).resolve().parent.parent
 # What TensorFlow prints while it starts (absl's banner, INFO/WARNING lines, cuInit's ERROR
 # without a driver); a oneDNN ERROR line on some CPUs is TensorFlow's own, not start-up.
@@ -40,10 +42,13 @@ def _run_process(script, *args, timeout=300):
 
 
 @pytest.fixture
-def run(capsys):
+def run(capsys, monkeypatch):
     """Runs an example's `main(argv)` in this process (the module loaded from its file, as
     `python examples/NAME.py ARGS` loads it, but not as `__main__`); returns what it printed.
-    The global policy it sets is put back by conftest's `_restore_global_policy`."""
+    The global policy it sets is put back by conftest's `_restore_global_policy`, and
+    `set_policy`'s once-a-process float16 warning is left as it was."""
+    warned = tfmixprec.policy._WARNED
+    monkeypatch.setitem(warned, "float16_without_gpu", warned["float16_without_gpu"])
 
     def run_example(script, *args):
         module = runpy.run_path(str(ROOT / "examples" / script), run_name="example")
