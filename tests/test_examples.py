@@ -1,13 +1,19 @@
-"""Each example runs as a user would run it (a subprocess), with small sizes."""
+"""Each example runs with small sizes: its `main(argv)` in this process, as its command line
+calls it, with what it prints captured. `multi_worker.py` runs as a user runs it (a
+subprocess), which starts its workers; that process also shows that the examples start
+TensorFlow without its start-up lines, which only a fresh process can show."""
 
 import math
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import tfmixprec
 
 ROOT = Path(__file__).resolve().parent.parent
 # What TensorFlow prints while it starts (absl's banner, INFO/WARNING lines, cuInit's ERROR
@@ -18,7 +24,8 @@ STARTUP_LINE = re.compile(
 )
 
 
-def _run(script, *args, timeout=300):
+def _run_process(script, *args, timeout=300):
+    """The example as a command in a fresh Python process; its standard output."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
@@ -34,8 +41,26 @@ def _run(script, *args, timeout=300):
     return result.stdout
 
 
-def test_custom_training_loop_example():
-    out = _run("custom_training_loop.py", "--policy", "mixed_float16", "--steps", "12")
+@pytest.fixture
+def run(capsys, monkeypatch):
+    """Runs an example's `main(argv)` in this process (the module loaded from its file, as
+    `python examples/NAME.py ARGS` loads it, but not as `__main__`); returns what it printed.
+    The global policy it sets is put back by conftest's `_restore_global_policy`, and
+    `set_policy`'s once-a-process float16 warning is left as it was."""
+    warned = tfmixprec.policy._WARNED
+    monkeypatch.setitem(warned, "float16_without_gpu", warned["float16_without_gpu"])
+
+    def run_example(script, *args):
+        module = runpy.run_path(str(ROOT / "examples" / script), run_name="example")
+        capsys.readouterr()
+        module["main"](list(args))
+        return capsys.readouterr().out
+
+    return run_example
+
+
+def test_custom_training_loop_example(run):
+    out = run("custom_training_loop.py", "--policy", "mixed_float16", "--steps", "12")
     lines = out.strip().splitlines()
     assert lines[0] == "policy: mixed_float16"
     assert len(lines) == 4
@@ -47,9 +72,9 @@ def test_custom_training_loop_example():
         assert "loss_scale=16384" in line
 
 
-def test_custom_training_loop_example_under_bfloat16():
+def test_custom_training_loop_example_under_bfloat16(run):
     """bfloat16 has float32's range: no loss scale to print, the Inf step still skipped."""
-    out = _run("custom_training_loop.py", "--policy", "mixed_bfloat16", "--steps", "12")
+    out = run("custom_training_loop.py", "--policy", "mixed_bfloat16", "--steps", "12")
     lines = out.strip().splitlines()
     assert lines[0] == "policy: mixed_bfloat16"
     assert len(lines) == 4
@@ -63,8 +88,8 @@ def test_custom_training_loop_example_under_bfloat16():
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_fit_with_callbacks_example(policy):
-    out = _run("fit_with_callbacks.py", "--epochs", "2", "--policy", policy)
+def test_fit_with_callbacks_example(policy, run):
+    out = run("fit_with_callbacks.py", "--epochs", "2", "--policy", policy)
     assert "overflow steps 2 (the NaN batch, once per epoch)" in out
     if policy == "mixed_bfloat16":  # float32's range: no loss scale, none recommended
         assert "once per epoch), no loss scale, guard stopped" in out
@@ -82,16 +107,16 @@ def test_fit_with_callbacks_example(policy):
     assert accuracy > 0.8
 
 
-def test_tensorboard_dashboard_example(tmp_path):
-    out = _run("tensorboard_dashboard.py", "--logdir", str(tmp_path), "--epochs", "2")
+def test_tensorboard_dashboard_example(tmp_path, run):
+    out = run("tensorboard_dashboard.py", "--logdir", str(tmp_path), "--epochs", "2")
     assert f"open the dashboard: tensorboard --logdir {tmp_path}" in out
     overflow, total = out.split("overflow steps ")[1].split()[0::2][:2]
     assert int(overflow) >= 1 and int(total) == 64  # 2 epochs x 32 batches
     assert list(tmp_path.rglob("events.out.tfevents.*"))
 
 
-def test_distributed_mirrored_example():
-    out = _run("distributed_mirrored.py", "--epochs", "2")
+def test_distributed_mirrored_example(run):
+    out = run("distributed_mirrored.py", "--epochs", "2")
     assert out.startswith("replicas: 2")
     assert "overflow steps 2 (skipped on every replica)" in out
     assert "weights identical across replicas: True" in out
@@ -101,7 +126,7 @@ def test_distributed_mirrored_example():
 
 
 def test_multi_worker_example(tmp_path):
-    out = _run(
+    out = _run_process(
         "multi_worker.py",
         "--local",
         "2",
@@ -130,8 +155,8 @@ def test_multi_worker_example(tmp_path):
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
 
 
-def test_float8_dashboard_example(tmp_path):
-    out = _run("float8_dashboard.py", "--logdir", str(tmp_path), "--epochs", "2")
+def test_float8_dashboard_example(tmp_path, run):
+    out = run("float8_dashboard.py", "--logdir", str(tmp_path), "--epochs", "2")
     lines = out.strip().splitlines()
     assert lines[:2] == [
         "hidden_1: mixed_bfloat16 -> float8_from_mixed_bfloat16 (matmul (128, 128))",
