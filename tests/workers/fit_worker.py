@@ -81,6 +81,7 @@ def fingerprint(model, loss_scale_state=True):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--loop-out", help="then run multiworker_worker's custom loop here")
     args = parser.parse_args()
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()  # first, before any other op
@@ -155,6 +156,11 @@ def main():
     }
     with open(os.path.join(args.out, f"fit-{task}.json"), "w") as f:
         json.dump(record, f)
+    if args.loop_out:  # the same processes and strategy: no second start of 2 workers
+        from multiworker_worker import custom_loop  # its folder is on sys.path
+
+        tempfile.tempdir = None
+        custom_loop(strategy, args.loop_out)
 
 
 if __name__ == "__main__":
