@@ -8,7 +8,8 @@ LossScaleMonitor, OverflowGuard, tfmixprec.TensorBoard (the same log_dir on ever
 BackupAndRestore (a folder per worker) and ModelCheckpoint (on the chief only). A recorder
 hashes the weights and the inner optimizer's variables before and after each batch, and every
 weight and optimizer variable at each epoch's end. Writes fit-<task>.json and fit-<task>.npz
-to --out.
+to --out. With --loop-out, the same process then runs tests/workers/multiworker_worker.py's
+custom loop under the same strategy, into that folder.
 
 `data`, `dataset` and `build_model` are imported by the test too, for the same fit in one
 process.
