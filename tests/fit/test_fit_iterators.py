@@ -5,7 +5,6 @@ autotune thread, and freeing it late, in some later garbage collection, can wait
 minute for that thread (TF 2.21)."""
 
 import gc
-import weakref
 
 import keras
 import numpy as np
@@ -22,31 +21,23 @@ BATCH = 4
 KINDS = [keras.Model, tfmixprec.MixedPrecisionModel]
 
 
-def _iterators(generation=None):
-    kinds = (tf.data.Iterator, tf.distribute.DistributedIterator)
-    return [o for o in gc.get_objects(generation) if isinstance(o, kinds)]
-
-
-def _collections():
-    return [stats["collections"] for stats in gc.get_stats()]
-
-
 def iterators_left(fit):
     """The names of the iterators that `fit()` made and that are alive after it. Python's
-    cyclic collector is off meanwhile: what only a later collection would free counts. What
-    `fit()` made is then in the youngest generation alone (nothing collected it since the
-    collection before it), which is all that is scanned: in a process that ran many tests
-    before, the whole heap is large. Where something collected during `fit()` after all,
-    the whole heap is scanned."""
-    gc.collect()
-    before = weakref.WeakSet(_iterators())
-    enabled, collections = gc.isenabled(), _collections()
+    cyclic collector is off meanwhile: what only a later collection would free counts. Every
+    object alive before is frozen (`gc.freeze`: out of every collection and of
+    `gc.get_objects`), so what `gc.get_objects` finds after `fit()` is what it made: in a
+    process that ran many tests before, scanning or collecting the whole heap costs seconds.
+    The fit's own garbage is collected at the end (the young generation only: quick)."""
+    kinds = (tf.data.Iterator, tf.distribute.DistributedIterator)
+    enabled = gc.isenabled()
     gc.disable()
+    gc.freeze()
     try:
         fit()
-        young = 0 if _collections() == collections else None
-        return sorted(type(o).__name__ for o in _iterators(young) if o not in before)
+        return sorted(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds))
     finally:
+        gc.unfreeze()  # back into the oldest generation
+        gc.collect(0)  # what the fit left in a cycle (Keras's, below), while it is quick to free
         if enabled:
             gc.enable()
 

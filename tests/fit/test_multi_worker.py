@@ -46,9 +46,13 @@ def _records(path):
 # ------------------------------------------------------------------ fit, evaluate, predict
 @pytest.fixture(scope="module")
 def fit_run(tmp_path_factory):
-    """One 2-worker run of tests/workers/fit_worker.py: its folder, JSON records and arrays."""
+    """One 2-worker run of tests/workers/fit_worker.py: its folder, JSON records and arrays.
+    The same workers then run multiworker_worker's custom loop into <folder>/loop (starting 2
+    workers is most of what a run costs)."""
     out = tmp_path_factory.mktemp("fit")
+    (out / "loop").mkdir()
     command = [sys.executable, str(WORKERS / "fit_worker.py"), "--out", str(out)]
+    command += ["--loop-out", str(out / "loop")]
     _assert_all_ok(run_workers(command, num_workers=2, timeout=240))
     records = [json.loads((out / f"fit-{i}.json").read_text()) for i in range(2)]
     arrays = [dict(np.load(out / f"fit-{i}.npz")) for i in range(2)]
@@ -167,11 +171,11 @@ def test_inf_on_one_workers_shard_skips_the_step_on_both(fit_run):
 
 
 @pytest.mark.slow
-def test_custom_loop_overflow_on_one_worker(tmp_path):
+def test_custom_loop_overflow_on_one_worker(fit_run):
     """`strategy.run(model.train_step)` per batch, each worker with its own data; then a plain
-    keras.Model's own fit under the same strategy (which fails upstream)."""
-    command = [sys.executable, str(WORKERS / "multiworker_worker.py"), "--out", str(tmp_path)]
-    _assert_all_ok(run_workers(command, num_workers=2, timeout=240))
+    keras.Model's own fit under the same strategy (which fails upstream). Run by the workers
+    of `fit_run` after their fit (tests/workers/multiworker_worker.py, `custom_loop`)."""
+    tmp_path = fit_run[0] / "loop"
     states = [json.loads((tmp_path / f"state-{i}.json").read_text()) for i in range(2)]
     # Each worker's batches of 8 are split into global steps of 4 per worker; worker 1's Inf
     # batch (samples 16-23) falls into steps 4 and 5, on worker 1 only.

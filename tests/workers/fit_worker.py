@@ -8,7 +8,8 @@ LossScaleMonitor, OverflowGuard, tfmixprec.TensorBoard (the same log_dir on ever
 BackupAndRestore (a folder per worker) and ModelCheckpoint (on the chief only). A recorder
 hashes the weights and the inner optimizer's variables before and after each batch, and every
 weight and optimizer variable at each epoch's end. Writes fit-<task>.json and fit-<task>.npz
-to --out.
+to --out. With --loop-out, the same process then runs tests/workers/multiworker_worker.py's
+custom loop under the same strategy, into that folder.
 
 `data`, `dataset` and `build_model` are imported by the test too, for the same fit in one
 process.
@@ -81,6 +82,7 @@ def fingerprint(model, loss_scale_state=True):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--loop-out", help="then run multiworker_worker's custom loop here")
     args = parser.parse_args()
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()  # first, before any other op
@@ -155,6 +157,11 @@ def main():
     }
     with open(os.path.join(args.out, f"fit-{task}.json"), "w") as f:
         json.dump(record, f)
+    if args.loop_out:  # the same processes and strategy: no second start of 2 workers
+        from multiworker_worker import custom_loop  # its folder is on sys.path
+
+        tempfile.tempdir = None
+        custom_loop(strategy, args.loop_out)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,12 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
+    custom_loop(tf.distribute.MultiWorkerMirroredStrategy(), args.out, args.steps)
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+def custom_loop(strategy, out, steps=5):
+    """The custom loop and the plain keras fit, under `strategy`, written to `out`
+    (tests/workers/fit_worker.py runs it too, after its own fit, with --loop-out)."""
     import keras
     import numpy as np
 
@@ -30,8 +34,8 @@ def main():
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     rng = np.random.default_rng(task)  # different data on each worker
-    x = rng.normal(size=(args.steps * 8, 4)).astype("float32")
-    y = rng.normal(size=(args.steps * 8, 1)).astype("float32")
+    x = rng.normal(size=(steps * 8, 4)).astype("float32")
+    y = rng.normal(size=(steps * 8, 1)).astype("float32")
     if task == 1:
         x[2 * 8 : 3 * 8] = np.inf  # batch 2, on worker 1 only
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
@@ -56,12 +60,12 @@ def main():
     batches = strategy.experimental_distribute_dataset(dataset)
     overflow_log = [float(step(batch)) for batch in batches]
     np.savez(
-        os.path.join(args.out, f"weights-{task}.npz"),
+        os.path.join(out, f"weights-{task}.npz"),
         *[np.asarray(w.numpy()) for w in model.weights],
     )
     record = {"state": model.optimizer.read_state(), "overflow_log": overflow_log}
     record["keras_fit"] = keras_fit(strategy)
-    with open(os.path.join(args.out, f"state-{task}.json"), "w") as f:
+    with open(os.path.join(out, f"state-{task}.json"), "w") as f:
         json.dump(record, f)
 
 
