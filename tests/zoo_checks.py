@@ -106,6 +106,10 @@ def run(name: str, policy: str, folder: Path) -> ZooRun:
             changes = tfmixprec.float32_outputs(model)
         audit_after = tfmixprec.audit(model)
         model.compile(optimizer="adam", loss=entry.loss)
+        if not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+            # As `train_losses` (the step traced once); the callbacks make the variables of
+            # the tfmixprec optimizer they put in place of Keras's before `fit` themselves.
+            model.optimizer.build(model.trainable_variables)
     x, y, weights = entry.data(STEPS)
     batch = _first_batch(entry, x, y, weights)
     cpu_route = _cpu_route(model, batch)
