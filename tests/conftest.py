@@ -4,11 +4,6 @@ import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# One thread inside each TensorFlow kernel, here and in the processes the tests start: the
-# README's command runs two pytest processes on two cores, and each kernel's default pool of
-# one thread per core made four threads share two (measured on 2 cores: 8-20% less CPU for the
-# same tests). Results are compared within a process or between processes that share this.
-os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

@@ -95,11 +95,11 @@ def test_a_mixed_precision_models_first_fit_traces_its_step_once(jit_compile):
         assert ours.numpy().tobytes() == theirs.numpy().tobytes()
 
 
-def _first_fit_traces(kind, callbacks):
+def _first_fit_traces(kind, callbacks, policy="mixed_float16"):
     """How often the first `fit` of a `kind` model traced its forward pass (a layer whose
     Python counts its calls), with `callbacks`."""
     calls = []
-    with tfmixprec.policy_scope("mixed_float16"):
+    with tfmixprec.policy_scope(policy):
         inputs = keras.Input((16,))
         hidden = keras.layers.Lambda(lambda t: calls.append(1) or t)(keras.layers.Dense(4)(inputs))
         outputs = keras.layers.Dense(1, dtype="float32")(hidden)
@@ -107,6 +107,7 @@ def _first_fit_traces(kind, callbacks):
         model = cls(inputs, outputs)
     optimizer = {
         "MixedPrecisionModel": "adam",
+        "plain keras.Model": "adam",
         "keras.Model": tfmixprec.LossScaleOptimizer(keras.optimizers.Adam()),
         "adopted": keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
     }[kind]
@@ -119,15 +120,20 @@ def _first_fit_traces(kind, callbacks):
 
 
 @pytest.mark.parametrize(
-    "kind, callbacks, traces",
+    "kind, callbacks, policy, traces",
     [
-        ("MixedPrecisionModel", list, 1),
-        ("keras.Model", lambda: [tfmixprec.LossScaleMonitor()], 1),
-        ("adopted", lambda: [tfmixprec.OverflowGuard()], 1),
-        ("keras.Model", list, 2),  # Keras's own fit, with nothing of tfmixprec's in it
+        ("MixedPrecisionModel", list, "mixed_float16", 1),
+        ("MixedPrecisionModel", list, "mixed_bfloat16", 1),  # a plain Adam: no scaling
+        ("keras.Model", lambda: [tfmixprec.LossScaleMonitor()], "mixed_float16", 1),
+        ("adopted", lambda: [tfmixprec.OverflowGuard()], "mixed_float16", 1),
+        ("plain keras.Model", lambda: [tfmixprec.LossScaleMonitor()], "mixed_bfloat16", 1),
+        ("plain keras.Model", lambda: [tfmixprec.OverflowGuard()], "mixed_float16", 1),
+        # Keras's own fit, with nothing of tfmixprec's in it
+        ("keras.Model", list, "mixed_float16", 2),
+        ("plain keras.Model", list, "mixed_bfloat16", 2),
     ],
 )
-def test_a_first_fit_with_tfmixprec_traces_once(kind, callbacks, traces):
+def test_a_first_fit_with_tfmixprec_traces_once(kind, callbacks, policy, traces):
     """`MixedPrecisionModel.fit` and the callbacks' `on_train_begin` make the optimizer's
-    variables before the first trace (the adopted optimizer's too)."""
-    assert _first_fit_traces(kind, callbacks) == traces
+    variables before the first trace: tfmixprec's, the adopted one's, and a plain one's."""
+    assert _first_fit_traces(kind, callbacks, policy) == traces

@@ -66,17 +66,18 @@ def adopt_at_train_begin(model: Any, who: str) -> LossScaleOptimizer | None:
     Keras's own `keras.optimizers.LossScaleOptimizer` is replaced by tfmixprec's (in the
     model's strategy scope; the train step is traced again, so it uses the new one) and that
     is said once per model; a tfmixprec optimizer's variables are made before the step's
-    first trace (`build_before_fit`). A plain optimizer gives None, with one line per model:
-    no loss scaling needed (bfloat16, float32), or a warning that float16 without it
-    underflows.
+    first trace (`build_before_fit`), and so are a plain optimizer's, which gives None, with
+    one line per model: no loss scaling needed (bfloat16, float32), or a warning that float16
+    without it underflows.
     """
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and not isinstance(
         optimizer, LossScaleOptimizer
     ):
         optimizer = _adopt(model, optimizer, who)
-    if isinstance(optimizer, LossScaleOptimizer):
+    if optimizer is not None:
         build_before_fit(model)  # the step traced once, not twice
+    if isinstance(optimizer, LossScaleOptimizer):
         return optimizer
     dtype, name = _compute_dtype(model), type(optimizer).__name__
     if dtype == "float16":
