@@ -21,14 +21,6 @@ except RuntimeError:  # devices already initialized by an earlier import
     pass
 
 
-def pytest_collection_finish(session):
-    """What importing TensorFlow, Keras, KerasHub and the test modules made lives until the
-    process ends: frozen, so that each full collection (every test's `fit_left_early`, and
-    Python's own) scans only what the tests make after it."""
-    gc.collect()
-    gc.freeze()
-
-
 @pytest.fixture(autouse=True)
 def _restore_global_policy():
     """Every test starts and ends with the float32 global policy."""
