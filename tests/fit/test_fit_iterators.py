@@ -23,23 +23,20 @@ KINDS = [keras.Model, tfmixprec.MixedPrecisionModel]
 
 def iterators_left(fit):
     """The names of the iterators that `fit()` made and that are alive after it. Python's
-    cyclic collector is off meanwhile: what only a later collection would free counts. What
-    is alive before is collected once, then frozen (`gc.freeze`: out of every later collection
-    and of `gc.get_objects`), so what `gc.get_objects` finds after `fit()` is what it made.
-    Nothing is unfrozen: `gc.unfreeze` would also put back what `tests/conftest.py` froze after
-    the imports, and the process's heap would be scanned whole again. The collection before
-    is of what the tests made since the last freeze: in a process that ran many tests, the
-    whole heap is large. The fit's own garbage is collected at the end (the young generation
-    only: quick)."""
+    cyclic collector is off meanwhile: what only a later collection would free counts. Every
+    object alive before is frozen (`gc.freeze`: out of every collection and of
+    `gc.get_objects`), so what `gc.get_objects` finds after `fit()` is what it made: in a
+    process that ran many tests before, scanning or collecting the whole heap costs seconds.
+    The fit's own garbage is collected at the end (the young generation only: quick)."""
     kinds = (tf.data.Iterator, tf.distribute.DistributedIterator)
     enabled = gc.isenabled()
-    gc.collect()  # no garbage of earlier tests frozen, to be kept for good
     gc.disable()
     gc.freeze()
     try:
         fit()
         return sorted(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds))
     finally:
+        gc.unfreeze()  # back into the oldest generation
         gc.collect(0)  # what the fit left in a cycle (Keras's, below), while it is quick to free
         if enabled:
             gc.enable()
