@@ -160,7 +160,7 @@ def main():
     if args.loop_out:  # the same processes and strategy: no second start of 2 workers
         from multiworker_worker import custom_loop  # its folder is on sys.path
 
-        tempfile.tempdir = None
+        tempfile.tempdir = None  # the loop's temporary files outside the fit's TB folder
         custom_loop(strategy, args.loop_out)
 
 
