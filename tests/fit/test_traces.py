@@ -137,3 +137,30 @@ def test_a_first_fit_with_tfmixprec_traces_once(kind, callbacks, policy, traces)
     """`MixedPrecisionModel.fit` and the callbacks' `on_train_begin` make the optimizer's
     variables before the first trace: tfmixprec's, the adopted one's, and a plain one's."""
     assert _first_fit_traces(kind, callbacks, policy) == traces
+
+
+@pytest.mark.parametrize(
+    "case, jit_compile, keep",
+    [
+        ("MixedPrecisionModel", False, "callbacks"),
+        ("adopted", True, "callbacks"),
+        ("adopted, 2 replicas", False, "callbacks"),
+        ("MixedPrecisionModel", True, "keep_overflow_batches"),
+    ],
+)
+def test_a_first_fit_that_keeps_batches_traces_its_step_once(case, jit_compile, keep):
+    """`diagnose=`, `PrecisionRepair` and `keep_overflow_batches` keep overflow batches in
+    variables that the step writes. They are made before the first trace
+    (`OverflowBatches.make_slots_now`), not in it, where TensorFlow would trace the step again:
+    one trace (the Python of a replica's step runs once a replica)."""
+    _, build, _ = cases.CASES[case]
+    model = build(jit_compile)
+    replicas = model.distribute_strategy.num_replicas_in_sync
+    with tempfile.TemporaryDirectory() as log_dir, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # adoption and min-scale lines: said elsewhere
+        if keep == "callbacks":
+            callbacks = cases.every_callback(log_dir)
+        else:
+            model.keep_overflow_batches(2)
+            callbacks = []
+        assert _python_traces(model, callbacks=callbacks) == replicas

@@ -344,9 +344,11 @@ class OverflowBatches:
             if odd:
                 return self._cannot(f"a {odd[0].dtype.name} tensor of shape {odd[0].shape}")
             spec = tf.nest.map_structure(_spec_of, batch)
-            if self._counts is None:
-                with tf.init_scope():
-                    self._create(spec)
+            if self._spec is None:
+                if not self._slots_made():  # none made before the trace: made in it
+                    with tf.init_scope():
+                        self._make_slots()
+                self._spec = spec
             elif not _same_structure(self._spec, spec):
                 if self.owner == "callbacks":  # another fit's batches: kept from this step
                     with tf.init_scope():  # the rows hold words of any structure
@@ -366,11 +368,22 @@ class OverflowBatches:
                 return False
         return True
 
-    def _create(self, spec: Any) -> None:
+    def make_slots_now(self, model: Any) -> None:
+        """Before the step's first trace: the counts and rows made now, under `model`'s
+        strategy, as the trace would make them (they hold no batch's shape). TensorFlow traces
+        a step again where its first trace made a variable; with them made first, one trace.
+        Made again where `limit` or `keeps_latest` changed since; nothing once traced."""
+        if self._spec is None and not self._slots_made():
+            with model.distribute_strategy.scope():
+                self._make_slots()
+
+    def _slots_made(self) -> bool:
+        return self._rows is not None and self._rows.rows == self._size + 1
+
+    def _make_slots(self) -> None:
         self._counts = replica_variable(tf.zeros([3], tf.int64))
         self._unfit_seen = self._missed_said = 0
         self._rows = _Rows(self._size + 1)  # a row a slot, and the scratch row
-        self._spec = spec
 
     def _cannot(self, why: str) -> bool:
         kept = "only dense tensors of numbers, bools or strings, of a known rank, are kept"
@@ -457,8 +470,8 @@ class OverflowBatches:
 
     @property
     def traced_once(self) -> bool:
-        """Whether a traced step has created the slots (their number is fixed from then)."""
-        return self._counts is not None
+        """Whether a step was traced with the slots (their number is fixed from then)."""
+        return self._spec is not None
 
     def forget(self) -> None:
         """Drops the slots: the next traced step makes them again (for another `limit`, the
@@ -647,12 +660,14 @@ def keep_for_callbacks(
     if current is not None and not current.traced_once:
         current.limit = max(current.limit, limit)
         current.keeps_latest = current.keeps_latest or latest
+        current.make_slots_now(model)  # again where the limit or the newest batch changed
     if current is not None and (current.keeps_latest or not latest):
         return current
     reason = cannot_keep_batches(model, replicas_ok=latest)
     if current is not None and reason is None:  # traced without the newest batch: again
         current.forget()
         current.keeps_latest = True
+        current.make_slots_now(model)
         return set_keeper(model, current)
     if reason is not None:
         if current_keeper(model) is not None:  # an earlier fit's: it keeps no more
@@ -662,6 +677,7 @@ def keep_for_callbacks(
         return None
     keeper = OverflowBatches(limit, "callbacks", latest)
     keeper.fit = fit
+    keeper.make_slots_now(model)
     return set_keeper(model, keeper)
 
 
