@@ -15,7 +15,7 @@ from tensorflow.python.framework import ops as tf_ops
 
 import tfmixprec
 from tfmixprec._keras.fit import traced_train_functions
-from tfmixprec.fit.overflow_batches import _scratch_row
+from tfmixprec.fit.kept_rows import scratch_row as _scratch_row
 
 WRITES = ("Tile", "ResourceScatterNdUpdate", "ResourceScatterUpdate")
 

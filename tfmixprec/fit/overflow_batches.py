@@ -11,9 +11,9 @@ waits for nothing: no host copy, and no branch on a device value.
   overflow steps since the keeper was (re)started and, where asked for (`PrecisionRepair`),
   the newest overflow step's, and one row more. Every step writes its batch with one scatter
   into the row no slot holds (the scratch row); an overflow step moves the count of kept
-  steps on, and with it the scratch row (`_scratch_row`: which row is which follows from the
-  count alone), so the row written becomes a slot's. One device copy of the batch a step,
-  however many slots, and whoever keeps.
+  steps on, and with it the scratch row (`fit/kept_rows.py`, `scratch_row`: which row is
+  which follows from the count alone), so the row written becomes a slot's. One device copy
+  of the batch a step, however many slots, and whoever keeps.
 - The rows grow, in the step, where a batch is larger than any before: one branch, decided
   by shapes alone, which the host knows without waiting for the device. A smaller batch (a
   ragged last batch) is padded, and its own shapes kept in its row.
@@ -51,6 +51,13 @@ from tfmixprec._keras.fit import (
     make_train_function,
     replace_train_step,
 )
+from tfmixprec.fit.kept_rows import (
+    Rows,
+    local_copies,
+    scratch_row,
+    shape_of,
+    words,
+)
 from tfmixprec.scaling.unscaling import replica_variable
 
 __all__ = ["KeptBatch", "OverflowBatches"]
@@ -71,151 +78,11 @@ class KeptBatch:
     batch: tuple
 
 
-def _fitted(value: tf.Tensor, shape: tf.Tensor) -> tf.Tensor:
-    """`value` cut or zero-padded to `shape` (the same rank)."""
-    have = tf.shape(value, out_type=shape.dtype)
-    take = tf.minimum(have, shape)
-    return _padded(tf.slice(value, tf.zeros_like(take), take), shape, take)
-
-
-def _padded(value: tf.Tensor, shape: tf.Tensor, have: tf.Tensor) -> tf.Tensor:
-    """`value` (of shape `have`) zero-padded to `shape`, which holds it."""
-    return tf.pad(value, tf.stack([tf.zeros_like(have), shape - have], axis=1))
-
-
-def _scratch_row(count: Any, limit: int, latest: bool, vector: bool = False) -> Any:
-    """The row no slot holds after `count` overflow steps kept (an int64 tensor, in the step
-    and on the host): a step writes its batch there. Slot `s < limit` holds row `s` (written
-    at count `s`); the newest overflow step's batch is the row written at count `count - 1`,
-    which from `count == limit` on alternates between rows `limit` and `limit + 1` (parity).
-    Without the newest batch, row `limit` once the first `limit` are kept. No variable says
-    which row is which: the count does, so the step reads nothing more to find it. `vector`:
-    as a vector of one index (a scatter's), by a constant of that shape (no reshape)."""
-    shape = [1] if vector else []
-    if not latest:
-        return tf.minimum(count, tf.constant(limit, tf.int64, shape))
-    parity = tf.bitwise.bitwise_and(count, tf.constant(1, tf.int64))
-    if limit % 2 == 0:  # limit + (count - limit) % 2
-        bound = tf.constant(limit, tf.int64, shape) + parity
-    else:
-        bound = tf.constant(limit + 1, tf.int64, shape) - parity
-    return tf.minimum(count, bound)
-
-
 # Kept as their bytes: these floats, integers, complex numbers, bools, strings (`_keepable`).
 _FLOATS = (tf.bfloat16, tf.float16, tf.float32, tf.float64)
-_WORD = tf.float32  # the rows' words: 4 bytes, moved as bits (a copy does no arithmetic)
 # A row: the step's record in 5 words (two int64 and a float32: `_line`), each tensor's shape
 # (int64, 2 words a dimension), then each tensor's bytes, padded to a whole word.
 _RECORD_WORDS = 5
-
-
-def _words(value: tf.Tensor, vector: tf.Tensor) -> tf.Tensor:
-    """`value`'s bytes as a vector of words (`vector`: the constant `[-1]`)."""
-    if value.dtype.size < 4:  # bytes, padded to a whole word, four bytes a word
-        value = tf.cast(value, tf.uint8) if value.dtype == tf.bool else value
-        value = tf.bitcast(value, tf.uint8) if value.dtype != tf.uint8 else value
-        value = tf.reshape(value, vector)
-        size = value.shape.num_elements()
-        extra = -size % 4 if size is not None else tf.math.floormod(-tf.size(value), 4)
-        value = tf.pad(value, [[0, extra]])
-        value = tf.reshape(value, [-1, 4])
-    if value.dtype != _WORD:
-        value = tf.bitcast(value, _WORD)  # a trailing axis of the item's words, where wider
-    return value if value.shape.rank == 1 else tf.reshape(value, vector)
-
-
-class _Rows:
-    """The kept batches' rows, one variable of words (a row a slot, and a scratch row: which
-    is which follows from the keeper's count, `_scratch_row`), and the longest row an XLA
-    step has seen. A step writes one row."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
-        self.data = replica_variable(tf.zeros([rows, 1], _WORD), shape=tf.TensorShape(None))
-        self.wanted = replica_variable(tf.zeros([1], tf.int64))
-
-    def held(self) -> tf.Tensor:
-        """The rows' shape (`[rows, words]`, int64), from the variable's metadata: reading its
-        value would hold its buffer, and the scatter would then copy every row first (copy on
-        write)."""
-        return tf.raw_ops.VariableShape(input=self.data.handle, out_type=tf.int64)
-
-    def room_for(self, line: tf.Tensor, length: Any, zeros: tf.Tensor, axis: tf.Tensor) -> tuple:
-        """Outside XLA: the batch's words `line` (of `length`, a vector of one) as the row it
-        is written as (`[1, words]`, zero padded to the rows, or as it is where longer), and
-        the padding that grows the rows to hold it (nonzero where they must grow; `zeros`:
-        `[0, 0]`, `axis`: the constant 0). Shapes alone, computed on the host: no device
-        value, no wait on a GPU."""
-        with tf.device("/cpu:0"):  # shapes as a padding's second column, beside `zeros`
-            held = tf.stack([zeros, self.held()], axis=1)
-            if isinstance(length, np.ndarray):  # known when tracing: one constant
-                target = tf.constant([[0, self.rows], [0, length[0]]], tf.int64)
-            else:
-                target = tf.concat([tf.constant([self.rows], tf.int64), length], axis)
-                target = tf.stack([zeros, target], axis=1)
-            room = tf.maximum(held, target)  # the rows' dimension: theirs
-            padding, growth = room - target, room - held  # growth > 0 where the rows grow
-        row = tf.pad(tf.expand_dims(line, axis), padding)
-        row.set_shape([1, None])  # one row: the pad of the first dimension is 0
-        return row, growth
-
-    def fitted_to(self, line: tf.Tensor, length: Any) -> tuple[tf.Tensor, tf.Tensor]:
-        """Inside XLA, whose step keeps a variable's size: `line` cut or padded to the rows
-        (`[1, words]`), and whether it fits there; the longest seen is noted for `poll`,
-        which grows the rows between steps."""
-        with tf.device("/cpu:0"):
-            held = tf.slice(self.held(), [1], [1])
-            fits = tf.reduce_all(tf.less_equal(length, held))
-        self.wanted.assign(tf.maximum(self.wanted, length))
-        return tf.expand_dims(_fitted(line, held), 0), fits
-
-    def write(self, row: tf.Tensor, update: tf.Tensor) -> None:
-        """`update` (`[1, words]`) into `row` (a vector of one index: the scratch row). One
-        row a step: the device copies the batch once."""
-        # The op itself: a sync-on-read variable has no `scatter_update` in replica context,
-        # where its `handle` is this replica's copy's.
-        tf.raw_ops.ResourceScatterUpdate(resource=self.data.handle, indices=row, updates=update)
-
-    def grow_in_step(self, growth: tf.Tensor) -> None:
-        """In the step's branch that grows them: the rows padded by `growth`."""
-        self.data.assign(tf.pad(tf.convert_to_tensor(self.data), growth))
-
-    def grow(self) -> bool:
-        """Between steps: every copy's rows grown to the longest any replica saw."""
-        wanted = max(int(w.numpy()[0]) for w in _local(self.wanted))
-        have = int(tf.shape(_local(self.data)[0]).numpy()[1])
-        if wanted <= have:
-            return False
-        for copy in _local(self.data):
-            copy.assign(tf.pad(tf.convert_to_tensor(copy), [[0, 0], [0, wanted - have]]))
-        return True
-
-    def release(self) -> None:
-        """Between fits, for a dormant keeper: every copy's rows back to one word each (the
-        step grows them again where it keeps), so that no device memory is held for the
-        largest batch ever seen."""
-        for copy in _local(self.data):
-            copy.assign(tf.zeros([self.rows, 1], _WORD))
-        for copy in _local(self.wanted):
-            copy.assign(tf.zeros_like(copy))
-
-    def read(self, copy: int, row: int, start: int, size: int) -> np.ndarray:
-        """Replica `copy`'s words `[start, start + size)` of `row`, only those to the host."""
-        return tf.slice(_local(self.data)[copy], [row, start], [1, size])[0].numpy()
-
-
-def _shape(value: tf.Tensor) -> Any:
-    """`value`'s shape (int64): NumPy where known when tracing (no op), else a tensor."""
-    if value.shape.is_fully_defined():
-        return np.array(value.shape.as_list(), np.int64)
-    return tf.shape(value, out_type=tf.int64)
-
-
-def _local(variable: Any) -> tuple:
-    """Each replica's copy of a sync-on-read variable (one without a strategy)."""
-    values = getattr(variable, "values", None)
-    return tuple(values) if values is not None else (variable,)
 
 
 # The counts each step adds to: overflow steps kept, steps whose batch did not fit the rows,
@@ -257,7 +124,7 @@ class OverflowBatches:
         self._counts: tf.Variable | None = None  # `_KEPT`, `_UNFIT`, `_MISSED`
         self._unfit_seen = 0  # `_UNFIT` when the rows were last grown
         self._missed_said = 0  # `_MISSED` when last said
-        self._rows: _Rows | None = None
+        self._rows: Rows | None = None
         self._spec: Any = None  # the first trace's batch: `TensorSpec`s (None where absent)
         self._lock = threading.Lock()  # replicas trace in threads
 
@@ -279,7 +146,7 @@ class OverflowBatches:
             return
         axis = tf.constant(0)  # one constant for every axis 0
         line = self._line([x for x in flat if x is not None], optimizer, axis)
-        length = _shape(line)
+        length = shape_of(line)
         if in_xla_context():  # the rows as they are: the batch may not fit
             update, fits = self._rows.fitted_to(line, length)
             kept = tf.logical_and(overflowed, fits)
@@ -289,7 +156,7 @@ class OverflowBatches:
         count = tf.raw_ops.ResourceGather(
             resource=self._counts.handle, indices=axis, dtype=tf.int64
         )
-        self._rows.write(_scratch_row(count, self.limit, self.keeps_latest, vector=True), update)
+        self._rows.write(scratch_row(count, self.limit, self.keeps_latest, vector=True), update)
         if fits is None:  # only kept steps to count: `_KEPT` (at index 0, `axis`) += kept
             tf.raw_ops.ResourceScatterAdd(
                 resource=self._counts.handle, indices=axis, updates=tf.cast(kept, tf.int64)
@@ -311,13 +178,13 @@ class OverflowBatches:
         scale = optimizer.last_overflow_scale if scale is None else scale
         record.append(tf.cast(tf.convert_to_tensor(scale), tf.float32))
         tensors = [_serialized(x) if x.dtype == tf.string else x for x in tensors]
-        shapes = [_shape(x) for x in tensors]
+        shapes = [shape_of(x) for x in tensors]
         if all(isinstance(shape, np.ndarray) for shape in shapes):  # known: one constant
             shapes = [tf.constant(np.concatenate([[], *shapes]).astype(np.int64).view(np.float32))]
         else:
-            shapes = [_words(tf.concat(shapes, axis), vector)]
-        parts = [_words(value, vector) for value in record] + shapes
-        return tf.concat(parts + [_words(x, vector) for x in tensors], axis)
+            shapes = [words(tf.concat(shapes, axis), vector)]
+        parts = [words(value, vector) for value in record] + shapes
+        return tf.concat(parts + [words(x, vector) for x in tensors], axis)
 
     def _room_for(self, line: tf.Tensor, length: Any, axis: tf.Tensor) -> tf.Tensor:
         """Outside XLA: the batch's words as the row they are written as, the rows grown
@@ -383,7 +250,7 @@ class OverflowBatches:
     def _make_slots(self) -> None:
         self._counts = replica_variable(tf.zeros([3], tf.int64))
         self._unfit_seen = self._missed_said = 0
-        self._rows = _Rows(self._size + 1)  # a row a slot, and the scratch row
+        self._rows = Rows(self._size + 1)  # a row a slot, and the scratch row
 
     def _cannot(self, why: str) -> bool:
         kept = "only dense tensors of numbers, bools or strings, of a known rank, are kept"
@@ -395,7 +262,7 @@ class OverflowBatches:
     def counts_variable(self) -> tf.Variable | None:
         """The counts `poll` reads (the first replica's), for a reader that reads them with
         other values in one copy; None before a traced step made them."""
-        return None if self._counts is None else _local(self._counts)[0]
+        return None if self._counts is None else local_copies(self._counts)[0]
 
     def poll(self, model: Any = None, counts: dict[str, int] | None = None) -> int:
         """Between steps: reads the counts (one small read; none where `counts`, read with
@@ -413,7 +280,7 @@ class OverflowBatches:
         if counts is not None and all(name in counts for name in KEEPER_COUNTS):
             counts = [counts[name] for name in KEEPER_COUNTS]
         else:
-            counts = _local(self._counts)[0].numpy()
+            counts = local_copies(self._counts)[0].numpy()
         if counts[_MISSED] > self._missed_said:
             self._missed_said = int(counts[_MISSED])
             warnings.warn(
@@ -439,7 +306,7 @@ class OverflowBatches:
     def missed(self) -> int:
         """Overflow steps since the keeper (re)started whose batch was larger than the rows
         then (an unknown batch size in the first step, or a larger batch): not kept."""
-        return 0 if self._counts is None else int(_local(self._counts)[0].numpy()[_MISSED])
+        return 0 if self._counts is None else int(local_copies(self._counts)[0].numpy()[_MISSED])
 
     @property
     def kept(self) -> list[KeptBatch]:
@@ -458,7 +325,7 @@ class OverflowBatches:
         the keeper does not keep it)."""
         if not self.keeps_latest or not self.seen:
             return []
-        return [self._read(copy, self.limit) for copy in range(len(_local(self._counts)))]
+        return [self._read(copy, self.limit) for copy in range(len(local_copies(self._counts)))]
 
     @property
     def nbytes(self) -> int:
@@ -466,7 +333,7 @@ class OverflowBatches:
         small host read a copy)."""
         if self._rows is None:
             return 0
-        return sum(int(np.prod(tf.shape(c).numpy())) * 4 for c in _local(self._rows.data))
+        return sum(int(np.prod(tf.shape(c).numpy())) * 4 for c in local_copies(self._rows.data))
 
     @property
     def traced_once(self) -> bool:
@@ -482,7 +349,7 @@ class OverflowBatches:
     def restart(self) -> None:
         """Keeps from the next overflow step on as if new (the rows are reused)."""
         if self._counts is not None:
-            for copy in _local(self._counts):
+            for copy in local_copies(self._counts):
                 copy.assign(tf.zeros([3], tf.int64))
             self._unfit_seen = self._missed_said = 0
 
@@ -490,8 +357,8 @@ class OverflowBatches:
         if slot < self.limit:
             row = slot
         else:  # the newest: the row written at the last count
-            count = _local(self._counts)[copy].numpy()[_KEPT] - 1
-            row = int(_scratch_row(tf.constant(count), self.limit, self.keeps_latest))
+            count = local_copies(self._counts)[copy].numpy()[_KEPT] - 1
+            row = int(scratch_row(tf.constant(count), self.limit, self.keeps_latest))
         specs = [_as_kept(spec) for spec in tf.nest.flatten(self._spec)]  # None: absent
         ranks = [spec.shape.rank for spec in specs if spec is not None]
         head = self._rows.read(copy, row, 0, _RECORD_WORDS + 2 * sum(ranks))  # record, shapes
