@@ -83,9 +83,22 @@ def test_the_repair_comes_at_the_fifth_overflow_in_the_right_layers(kind, jit_co
     assert (policies["big"], policies["proj"], policies["after"]) == ("float32",) * 2 + ("float16",)
 
 
-def test_a_repaired_model_saves_and_loads_its_policies(tmp_path):
+@pytest.fixture(scope="module")
+def repaired_flows(tmp_path_factory):
+    """One fit of the "flows" model over `overflowing()` (batches of 32, one epoch) with
+    PrecisionRepair, tfmixprec's TensorBoard and a LossScaleMonitor: the saving, TensorBoard,
+    audit and monitor tests below each read what this one fit left."""
+    log_dir = str(tmp_path_factory.mktemp("repair_board") / "run")
     model = overflow_model("flows")
-    _fit(model, tfmixprec.PrecisionRepair(verbose=0), epochs=1)
+    monitor = tfmixprec.LossScaleMonitor(update_freq=8)
+    callbacks = [tfmixprec.PrecisionRepair(verbose=0), tfmixprec.TensorBoard(log_dir), monitor]
+    model.fit(*overflowing(), batch_size=32, epochs=1, shuffle=False, verbose=0,
+              callbacks=callbacks)  # fmt: skip
+    return model, log_dir, monitor
+
+
+def test_a_repaired_model_saves_and_loads_its_policies(repaired_flows, tmp_path):
+    model = repaired_flows[0]
     path = str(tmp_path / "repaired.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
@@ -272,15 +285,12 @@ def test_two_workers_make_the_same_repair_at_the_same_step(tmp_path):
         assert workers[0]["state"][key] == one["state"][key]
 
 
-def test_tensorboard_and_the_audit_speak_of_the_repair(tmp_path):
+def test_tensorboard_and_the_audit_speak_of_the_repair(repaired_flows):
     from tensorboard.backend.event_processing import event_accumulator
 
-    repair_model = overflow_model("flows")
-    board = tfmixprec.TensorBoard(str(tmp_path / "run"))
-    repair_model.fit(*overflowing(), batch_size=32, epochs=1, shuffle=False, verbose=0,
-                     callbacks=[tfmixprec.PrecisionRepair(verbose=0), board])  # fmt: skip
+    repair_model, log_dir, _ = repaired_flows
     events = event_accumulator.EventAccumulator(
-        str(tmp_path / "run" / "train"), size_guidance={"tensors": 0}
+        str(Path(log_dir) / "train"), size_guidance={"tensors": 0}
     )
     events.Reload()
     [written] = events.Tensors("mixed_precision/repairs")
@@ -300,11 +310,8 @@ def test_tensorboard_and_the_audit_speak_of_the_repair(tmp_path):
     ]
 
 
-def test_the_monitor_says_the_overflows_were_repaired():
-    monitor = tfmixprec.LossScaleMonitor(update_freq=8)
-    model = overflow_model("flows")
-    model.fit(*overflowing(), batch_size=32, epochs=1, shuffle=False, verbose=0,
-              callbacks=[tfmixprec.PrecisionRepair(verbose=0), monitor])  # fmt: skip
+def test_the_monitor_says_the_overflows_were_repaired(repaired_flows):
+    monitor = repaired_flows[2]
     assert monitor.events == [
         "5 overflows in steps 0-7, the last at step 4 (0-based, skipped steps counted), loss "
         "scale 32768 -> 4096; gradients not finite in: after, out; repaired at step 4: "
