@@ -206,6 +206,18 @@ def test_guard_checks_every_update_freq_batches(update_freq, stopped_step):
     assert int(model.optimizer.overflow_steps) == 1
 
 
+@pytest.fixture(scope="module")
+def three_monitors():
+    """One fit (steps 2 and 5 overflow) watched by a LossScaleMonitor of each update_freq
+    below: each keeps its own events, and the fit's History is the same for all three."""
+    monitors = {freq: LossScaleMonitor(update_freq=freq) for freq in ("batch", "epoch", 4)}
+    x, y = _data(bad_batches=(2, 5))
+    history = _model().fit(
+        x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=list(monitors.values())
+    )
+    return history, monitors
+
+
 @pytest.mark.parametrize(
     "update_freq, reports",
     [
@@ -214,11 +226,9 @@ def test_guard_checks_every_update_freq_batches(update_freq, stopped_step):
         (4, ["overflow at step 2", "overflow at step 5"]),
     ],
 )
-def test_monitor_update_freq_as_keras_tensorboard_takes_it(update_freq, reports):
-    model = _model()
-    monitor = LossScaleMonitor(update_freq=update_freq)
-    x, y = _data(bad_batches=(2, 5))
-    history = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[monitor])
+def test_monitor_update_freq_as_keras_tensorboard_takes_it(update_freq, reports, three_monitors):
+    history, monitors = three_monitors
+    monitor = monitors[update_freq]
     assert [line.split(" (0-based")[0] for line in monitor.events] == reports
     assert history.history["overflow"] == [2.0]  # the epoch's overflow steps, whichever
     config = monitor.get_config()
