@@ -245,12 +245,19 @@ def _window_histories(optimizer, strategy=None):
     return b.inputs_amax_history.numpy()[0], b.outputs_grad_amax_history.numpy()[0]
 
 
+@pytest.fixture(scope="module")
+def keras_way():
+    """Keras's own gradient accumulation on one device, once for both cases below."""
+    return _window_histories(lambda: keras.optimizers.SGD(0.0, gradient_accumulation_steps=2))
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_an_accumulation_window_keeps_the_largest_amax_as_keras_does(replicas, two_cpu_strategy):
+def test_an_accumulation_window_keeps_the_largest_amax_as_keras_does(
+    replicas, two_cpu_strategy, keras_way
+):
     """One window writes the larger micro-batch's amax into b's histories, as Keras's own
     gradient accumulation does (not the mean of the two); across 2 replicas too (Keras's own
     accumulation does not run under a MirroredStrategy: compared with it on one device)."""
-    keras_way = _window_histories(lambda: keras.optimizers.SGD(0.0, gradient_accumulation_steps=2))
     ours = _window_histories(
         lambda: tfmixprec.LossScaleOptimizer(
             keras.optimizers.SGD(0.0), dynamic=False, initial_scale=1.0, accumulation_steps=2
