@@ -85,16 +85,18 @@ def test_the_repair_comes_at_the_fifth_overflow_in_the_right_layers(kind, jit_co
 
 @pytest.fixture(scope="module")
 def repaired_flows(tmp_path_factory):
-    """One fit of the "flows" model over `overflowing()` (batches of 32, one epoch) with
+    """One fit of the "flows" model over `overflowing()` (batches of 32, two epochs) with
     PrecisionRepair, tfmixprec's TensorBoard and a LossScaleMonitor: the saving, TensorBoard,
-    audit and monitor tests below each read what this one fit left."""
+    audit and monitor tests and the one-device side of the 2-replica test each read what
+    this one fit left."""
     log_dir = str(tmp_path_factory.mktemp("repair_board") / "run")
     model = overflow_model("flows")
     monitor = tfmixprec.LossScaleMonitor(update_freq=8)
-    callbacks = [tfmixprec.PrecisionRepair(verbose=0), tfmixprec.TensorBoard(log_dir), monitor]
-    model.fit(*overflowing(), batch_size=32, epochs=1, shuffle=False, verbose=0,
+    repair = tfmixprec.PrecisionRepair(verbose=0)
+    callbacks = [repair, tfmixprec.TensorBoard(log_dir), monitor]
+    model.fit(*overflowing(), batch_size=32, epochs=2, shuffle=False, verbose=0,
               callbacks=callbacks)  # fmt: skip
-    return model, log_dir, monitor
+    return model, log_dir, monitor, repair
 
 
 def test_a_repaired_model_saves_and_loads_its_policies(repaired_flows, tmp_path):
@@ -113,10 +115,8 @@ def test_a_repaired_model_saves_and_loads_its_policies(repaired_flows, tmp_path)
     assert np.isfinite(loaded.predict(x, verbose=0)).all()
 
 
-def test_two_replicas_repair_as_one_device(two_cpu_strategy):
-    one = overflow_model("flows")
-    repair_one = tfmixprec.PrecisionRepair(verbose=0)
-    _fit(one, repair_one)
+def test_two_replicas_repair_as_one_device(two_cpu_strategy, repaired_flows):
+    one, repair_one = repaired_flows[0], repaired_flows[3]
     two = overflow_model("flows", strategy=two_cpu_strategy)
     repair_two = tfmixprec.PrecisionRepair(verbose=0)
     _fit(two, repair_two)
@@ -288,7 +288,7 @@ def test_two_workers_make_the_same_repair_at_the_same_step(tmp_path):
 def test_tensorboard_and_the_audit_speak_of_the_repair(repaired_flows):
     from tensorboard.backend.event_processing import event_accumulator
 
-    repair_model, log_dir, _ = repaired_flows
+    repair_model, log_dir = repaired_flows[:2]
     events = event_accumulator.EventAccumulator(
         str(Path(log_dir) / "train"), size_guidance={"tensors": 0}
     )
