@@ -43,6 +43,7 @@ def _reference_loop(policy, x, y, batch, epochs, optimizer):
     tfmixprec.set_policy(policy)
     model = _functional(cls=keras.Model)
     loss_fn = keras.losses.MeanSquaredError()
+    optimizer.build(model.trainable_variables)  # made here, the step is traced once
 
     @tf.function
     def step(xb, yb):
@@ -611,6 +612,7 @@ def test_make_train_step_trains_where_plain_float16_does_not():
     model, x, y = _tiny_loss_model()
     before = _weights(model)
     plain = keras.optimizers.SGD(1e6)
+    plain.build(model.trainable_variables)  # made here, the step is traced once
 
     @tf.function
     def plain_step():
