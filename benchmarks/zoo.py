@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny models, for the tests")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "STACK"), help=argparse.SUPPRESS)
     parser.add_argument("--record", help=argparse.SUPPRESS)
+    # For the tests: these stacks' workers run in the driver's process (no start of TensorFlow
+    # each; their peak memory is then the driver's); the others still in processes of their own.
+    parser.add_argument(
+        "--in-process", nargs="+", choices=STACKS, default=[], help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.size, args.steps, args.runs, args.parity_steps = "tiny", 2, 1, 2
@@ -126,6 +131,10 @@ def worker_main(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------ the driver
 def launch(args: argparse.Namespace, name: str, stack: str, folder: str) -> dict:
     record = os.path.join(folder, f"{name}-{stack.replace(' ', '-')}.json")
+    if stack in args.in_process:
+        worker_main(argparse.Namespace(**{**vars(args), "worker": [name, stack], "record": record}))
+        with open(record) as f:
+            return json.load(f)
     command = [sys.executable, os.path.abspath(__file__), "--worker", name, stack]
     command += ["--record", record, "--size", args.size, "--steps", str(args.steps)]
     command += ["--runs", str(args.runs), "--parity-steps", str(args.parity_steps)]
