@@ -1178,33 +1178,45 @@ def test_a_legacy_h5_file_with_code_in_its_training_config_is_refused(tmp_path):
     assert refused in done.stdout, done.stdout + done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("package", ["keras_cv", "keras_hub"])
-def test_a_folder_shadowing_a_trusted_package_is_never_imported(tmp_path, package):
-    """A file names a module of a package Keras imports itself (keras_cv, keras_hub); a folder
-    of that name next to the model, where the audit runs, is not that package: refused, and
-    its code never runs (keras_hub is installed here, keras_cv is not)."""
-    marker = tmp_path / "ran"
-    (tmp_path / package).mkdir()
-    (tmp_path / package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+def _shadowed_module_file(path, package):
+    """A small .keras file whose last layer names a module of `package` (`{package}.layers`),
+    and a folder `package/` next to it that writes `ran-{package}` when imported."""
+    folder = path.parent
+    (folder / package).mkdir()
+    marker = folder / f"ran-{package}"
+    (folder / package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="d")])
-    model.save(tmp_path / "m.keras")
-    with zipfile.ZipFile(tmp_path / "m.keras") as archive:
+    model.save(path)
+    with zipfile.ZipFile(path) as archive:
         members = {name: archive.read(name) for name in archive.namelist()}
     config = json.loads(members["config.json"])
     config["config"]["layers"][-1]["module"] = f"{package}.layers"
     members["config.json"] = json.dumps(config).encode()
-    with zipfile.ZipFile(tmp_path / "m.keras", "w") as archive:
+    with zipfile.ZipFile(path, "w") as archive:
         for name, data in members.items():
             archive.writestr(name, data)
+    return marker
+
+
+def test_a_folder_shadowing_a_trusted_package_is_never_imported(tmp_path):
+    """A file names a module of a package Keras imports itself (keras_cv, keras_hub); a folder
+    of that name next to the model, where the audit runs, is not that package: refused, and
+    its code never runs (keras_hub is installed here, keras_cv is not). One process audits
+    both packages' files, each with its folder beside it (a marker file each)."""
+    packages = ("keras_cv", "keras_hub")
+    markers = {p: _shadowed_module_file(tmp_path / f"m-{p}.keras", p) for p in packages}
     code = (
         "import tfmixprec\n"
-        "try:\n    tfmixprec.audit('m.keras')\nexcept ValueError as err:\n    print(err)\n"
+        f"for package in {packages!r}:\n"
+        "    try:\n        tfmixprec.audit(f'm-{package}.keras')\n"
+        "    except ValueError as err:\n        print(package, err)\n"
     )
     done = _python(["-c", code], cwd=tmp_path)
-    assert f"is module '{package}.layers' (importing '{package}' would run" in done.stdout, (
-        done.stdout + done.stderr[-2000:]
-    )
-    assert not marker.exists()
+    said = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    for package in packages:
+        expected = f"is module '{package}.layers' (importing '{package}' would run"
+        assert expected in said.get(package, ""), (package, done.stdout + done.stderr[-2000:])
+        assert not markers[package].exists(), package
 
 
 def _zip_with(path, members):
