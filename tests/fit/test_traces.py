@@ -148,11 +148,15 @@ def test_a_first_fit_with_tfmixprec_traces_once(kind, callbacks, policy, traces)
         ("MixedPrecisionModel", True, "keep_overflow_batches"),
     ],
 )
-def test_a_first_fit_that_keeps_batches_traces_its_step_once(case, jit_compile, keep):
+def test_a_first_fit_that_keeps_batches_traces_its_step_once(
+    case, jit_compile, keep, two_cpu_strategy
+):
     """`diagnose=`, `PrecisionRepair` and `keep_overflow_batches` keep overflow batches in
     variables that the step writes. They are made before the first trace
     (`OverflowBatches.make_slots_now`), not in it, where TensorFlow would trace the step again:
     one trace (the Python of a replica's step runs once a replica)."""
+    if not cases._STRATEGIES:
+        cases._STRATEGIES.append(two_cpu_strategy)  # one strategy on these devices a process
     _, build, _ = cases.CASES[case]
     model = build(jit_compile)
     replicas = model.distribute_strategy.num_replicas_in_sync
@@ -164,3 +168,20 @@ def test_a_first_fit_that_keeps_batches_traces_its_step_once(case, jit_compile, 
             model.keep_overflow_batches(2)
             callbacks = []
         assert _python_traces(model, callbacks=callbacks) == replicas
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_make_train_steps_step_is_traced_once(jit_compile):
+    """`make_train_step` makes the optimizer's variables before its step's first trace (a
+    built model): one trace, where Keras would make them in it and TensorFlow trace again."""
+    calls = []
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Lambda(lambda t: calls.append(1) or t)(keras.layers.Dense(4)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(hidden))
+    step = tfmixprec.make_train_step(model, "mse", "adam", jit_compile=jit_compile)
+    assert step.optimizer.built
+    before = len(calls)  # the model's construction ran it too
+    for start in (0, 32):
+        step(cases.X[start : start + 32], cases.Y[start : start + 32])
+    assert len(calls) - before == 1

@@ -449,6 +449,7 @@ def make_train_step(
         )
     loss_fn = _loss_function(loss_fn)
     optimizer = _optimizer_for(model, optimizer)
+    build_before_fit(model, optimizer)  # not in the first trace: the step traced once
 
     def step(x: Any, y: Any, sample_weight: Any = None) -> dict[str, Any]:
         with guard_state(model, optimizer) as guarded:  # a skipped step changes no variable

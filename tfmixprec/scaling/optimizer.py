@@ -671,12 +671,13 @@ def _from_keras(cls: type, keras_optimizer: Any, kwargs: dict[str, Any]) -> Loss
     return new
 
 
-def build_before_fit(model: Any) -> None:
-    """Makes `model`'s optimizer's variables before `fit` traces the step, where the model is
-    built and no strategy is in use (Keras makes them itself under one): else Keras makes
-    them in the step's first trace, and TensorFlow, seeing variables made, traces the step
-    again (`MixedPrecisionModel.fit` and the callbacks' `on_train_begin` call it)."""
-    optimizer = model.optimizer
+def build_before_fit(model: Any, optimizer: Any = None) -> None:
+    """Makes `model`'s optimizer's variables (or `optimizer`'s, for `model`'s variables)
+    before a step that trains `model` is traced, where the model is built and no strategy is
+    in use (Keras makes them itself under one): else Keras makes them in the step's first
+    trace, and TensorFlow, seeing variables made, traces the step again
+    (`MixedPrecisionModel.fit`, the callbacks' `on_train_begin` and `make_train_step`)."""
+    optimizer = model.optimizer if optimizer is None else optimizer
     if optimizer.built or not model.built or tf.distribute.has_strategy():
         return
     if model.distribute_strategy is tf.distribute.get_strategy():  # the model's: none
