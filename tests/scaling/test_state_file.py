@@ -30,7 +30,7 @@ RELEASES = {"0.1.0": "559b46d", "0.2.0": "6c2656e", "0.3.0": "954899b", "0.4.0":
 @pytest.fixture(scope="module")
 def legacy(tmp_path_factory):
     """{release: folder}: each release's files, written by that release's own code."""
-    folders = {}
+    folders, pairs = {}, []
     for release, commit in RELEASES.items():
         folder = tmp_path_factory.mktemp(f"v{release}")
         archive = subprocess.run(
@@ -45,21 +45,18 @@ def legacy(tmp_path_factory):
         (folder / "code.tar").write_bytes(archive.stdout)
         with tarfile.open(folder / "code.tar") as tar:
             tar.extractall(folder / "code", filter="data")
-        done = subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "workers" / "legacy_state_worker.py"),
-                "--out",
-                str(folder),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=folder,
-            env=dict(os.environ, PYTHONPATH=str(folder / "code"), TF_CPP_MIN_LOG_LEVEL="2"),
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
         folders[release] = folder
+        pairs += ["--release", str(folder / "code"), str(folder)]
+    # One process for every release, each imported in turn (one start of TensorFlow).
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "workers" / "legacy_state_worker.py"), *pairs],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path_factory.getbasetemp(),
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
     return folders
 
 
