@@ -199,8 +199,14 @@ def _repaired(strategy=None):
     return model, repair
 
 
-def test_the_repair_keeps_a_float8_layer_quantized_in_float32(tmp_path):
-    model, repair = _repaired()
+@pytest.fixture(scope="module")
+def repaired_on_one_device():
+    """One device's repaired fit, read by the two tests below (neither changes it)."""
+    return _repaired()
+
+
+def test_the_repair_keeps_a_float8_layer_quantized_in_float32(tmp_path, repaired_on_one_device):
+    model, repair = repaired_on_one_device
     [found] = repair.repairs
     assert (found.step, found.layers, found.cause, found.float8) == (
         4,
@@ -227,8 +233,8 @@ def test_the_repair_keeps_a_float8_layer_quantized_in_float32(tmp_path):
     assert np.array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
-def test_two_replicas_repair_a_float8_layer_as_one_device(two_cpu_strategy):
-    _, one = _repaired()
+def test_two_replicas_repair_a_float8_layer_as_one_device(two_cpu_strategy, repaired_on_one_device):
+    _, one = repaired_on_one_device
     model, two = _repaired(two_cpu_strategy)
     found = [(r.step, r.layers, r.cause, r.float8) for r in one.repairs + two.repairs]
     assert found == [(4, ("b",), "forward-overflow", ("b",))] * 2
