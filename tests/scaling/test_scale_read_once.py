@@ -287,49 +287,75 @@ def test_shared_optimizer_two_threads_one_graph_each():
         assert _record(opt, var) == _record(opt2, var2)
 
 
+def _two_replicas(strategy, body, traced):
+    """`body`'s steps under two replicas, each a `strategy.run`: all in one tf.function, or
+    eagerly."""
+    with strategy.scope():
+        opt, var = _optimizer()
+
+    def one(f):
+        return lambda: body(opt, var, tf.constant(f, tf.float32))
+
+    if traced:
+        tf.function(lambda: [strategy.run(one(f)) for f in FACTORS])()
+    else:
+        for f in FACTORS:
+            strategy.run(one(f))
+    return _record(opt, var)
+
+
+@pytest.fixture(scope="module")
+def eagerly_under_two_replicas(two_cpu_strategy):
+    """The record of a body's steps run eagerly under two replicas (`_two_replicas`), run
+    once a module for each body: the traced runs of the tests below compare with it."""
+    records = {}
+
+    def record(body):
+        if body not in records:
+            records[body] = _two_replicas(two_cpu_strategy, body, traced=False)
+        return records[body]
+
+    return record
+
+
 @pytest.mark.parametrize("body", [no_scale_loss])
-def test_under_two_replicas_two_runs_in_one_function(two_cpu_strategy, body):
+def test_under_two_replicas_two_runs_in_one_function(
+    two_cpu_strategy, eagerly_under_two_replicas, body
+):
     """Two `strategy.run` in one tf.function (replica threads may reuse thread ids)."""
+    assert _two_replicas(two_cpu_strategy, body, traced=True) == eagerly_under_two_replicas(body)
 
-    def run(traced):
-        with two_cpu_strategy.scope():
-            opt, var = _optimizer()
 
-        def one(f):
-            return lambda: body(opt, var, tf.constant(f, tf.float32))
+def _unbuilt_run(traced, jit_compile=False):
+    """`scale_loss_then_apply`'s steps on an optimizer not built yet: traced (one step a
+    call), or eagerly."""
+    opt = LossScaleOptimizer(keras.optimizers.SGD(0.5), initial_scale=8.0, dynamic_growth_steps=1)
+    var = keras.Variable(np.ones(3, "float32"))
 
-        if traced:
-            tf.function(lambda: [two_cpu_strategy.run(one(f)) for f in FACTORS])()
-        else:
-            for f in FACTORS:
-                two_cpu_strategy.run(one(f))
-        return _record(opt, var)
+    def step(f):
+        scale_loss_then_apply(opt, var, f)
 
-    assert run(True) == run(False)
+    step = tf.function(step, jit_compile=jit_compile) if traced else step
+    for f in FACTORS:
+        step(tf.constant(f, tf.float32))
+    return _record(opt, var)
+
+
+@pytest.fixture(scope="module")
+def unbuilt_eagerly():
+    """`_unbuilt_run` eagerly: the same record for both `jit_compile` cases below."""
+    return _unbuilt_run(traced=False)
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_an_unbuilt_optimizer_built_by_its_first_traced_apply(jit_compile):
+def test_an_unbuilt_optimizer_built_by_its_first_traced_apply(unbuilt_eagerly, jit_compile):
     """`scale_loss` before the optimizer is built; `apply` builds it in the trace."""
-
-    def run(traced):
-        opt = LossScaleOptimizer(
-            keras.optimizers.SGD(0.5), initial_scale=8.0, dynamic_growth_steps=1
-        )
-        var = keras.Variable(np.ones(3, "float32"))
-
-        def step(f):
-            scale_loss_then_apply(opt, var, f)
-
-        step = tf.function(step, jit_compile=jit_compile) if traced else step
-        for f in FACTORS:
-            step(tf.constant(f, tf.float32))
-        return _record(opt, var)
-
-    assert run(True) == run(False)
+    assert _unbuilt_run(traced=True, jit_compile=jit_compile) == unbuilt_eagerly
 
 
-def test_under_two_replicas_a_thread_id_reused_takes_no_stale_scale(two_cpu_strategy):
+def test_under_two_replicas_a_thread_id_reused_takes_no_stale_scale(
+    two_cpu_strategy, eagerly_under_two_replicas
+):
     """Replica threads end after each `strategy.run`, and a new thread may get a dead one's
     id (glibc reuses the most recently freed thread stack). Two threads held alive across
     the next run's start make the merge's replica threads get the previous run's replica
@@ -338,41 +364,35 @@ def test_under_two_replicas_a_thread_id_reused_takes_no_stale_scale(two_cpu_stra
     (`last_overflow_scale` 16, eagerly 8). Seen unforced once in a whole-file run of this
     module (`..._two_runs_in_one_function[no_scale_loss]`)."""
 
-    def run(traced):
-        with two_cpu_strategy.scope():
-            opt, var = _optimizer()
-        held = []
+    with two_cpu_strategy.scope():
+        opt, var = _optimizer()
+    held = []
 
-        def occupy():
-            release = threading.Event()
-            threads = [threading.Thread(target=release.wait) for _ in range(2)]
-            for t in threads:
-                t.start()
-            held.append((release, threads))
+    def occupy():
+        release = threading.Event()
+        threads = [threading.Thread(target=release.wait) for _ in range(2)]
+        for t in threads:
+            t.start()
+        held.append((release, threads))
 
-        def one(f):
-            def fn():
-                if held:
-                    release, threads = held[-1]
-                    release.set()
-                    for t in threads:
-                        t.join()
-                no_scale_loss(opt, var, tf.constant(f, tf.float32))
+    def one(f):
+        def fn():
+            if held:
+                release, threads = held[-1]
+                release.set()
+                for t in threads:
+                    t.join()
+            no_scale_loss(opt, var, tf.constant(f, tf.float32))
 
-            return fn
+        return fn
 
-        def steps():
-            for f in FACTORS:
-                two_cpu_strategy.run(one(f))
-                if traced:
-                    occupy()
+    def steps():
+        for f in FACTORS:
+            two_cpu_strategy.run(one(f))
+            occupy()
 
-        if traced:
-            tf.function(steps)()
-        else:
-            steps()
-        for release, _ in held:
-            release.set()
-        return _record(opt, var)
-
-    assert run(True) == run(False)
+    tf.function(steps)()
+    for release, _ in held:
+        release.set()
+    # Eagerly `held` stays empty: the steps are `_two_replicas`'s of `no_scale_loss`.
+    assert _record(opt, var) == eagerly_under_two_replicas(no_scale_loss)
