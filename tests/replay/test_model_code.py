@@ -133,6 +133,7 @@ def test_kerashub_moe_decoders(name):
     router = f"{name}_backbone/transformer_layer_0/{block}/sparse_feedforward_gate_dense"
     assert (report.cause, report.float32_layers, report.problem) == ("model-code", (router,), None)
     report.apply(model)
+    model.optimizer.build(model.trainable_variables)  # before fit: the step traced once
     history = model.fit(x, y, batch_size=2, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
 
