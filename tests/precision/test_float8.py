@@ -353,6 +353,7 @@ def test_saved_file_loads_and_trains(tmp_path):
     tfmixprec.set_policy("mixed_bfloat16")
     model = _quantized_mlp()
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
+    model.optimizer.build(model.trainable_variables)  # before fit: the step traced once
     x, y = _data()
     model.fit(x, y, batch_size=16, verbose=0)
     model.save(tmp_path / "m.keras")

@@ -96,6 +96,7 @@ def test_initial_scale_follows_the_largest_gradient_and_counts_keras_skips():
         trial.set_weights(model.get_weights())
         if apply:
             report.apply(trial)
+        trial.optimizer.build(trial.trainable_variables)  # before fit: the step traced once
         trial.fit(x, y, batch_size=32, epochs=skips + 1, verbose=0)
         state = trial.optimizer.read_state()
         assert (state["overflow_steps"], state["iterations"]) == (
@@ -115,6 +116,7 @@ def test_apply_changes_the_layers_and_the_scale_and_returns_the_changes():
     assert model.get_layer("big").compute_dtype == "float32"
     assert float(model.optimizer.loss_scale) == report.initial_scale
     assert model.optimizer.get_config()["initial_scale"] == report.initial_scale
+    model.optimizer.build(model.trainable_variables)  # before fit: the step traced once
     history = model.fit(*_data("flows"), epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][0])
     assert model.optimizer.read_state()["overflow_steps"] == 0
@@ -138,6 +140,7 @@ def test_apply_refuses_another_model_and_a_started_optimizer_changing_nothing():
         report.apply(other)
     assert _state(other) == before
     started = _model("flows")
+    started.optimizer.build(started.trainable_variables)  # before fit: the step traced once
     started.fit(*_data("flows"), epochs=1, verbose=0)
     before = _state(started)
     with pytest.raises(ValueError, match="has taken 1 steps. Pass set_scale=False"):  # skipped

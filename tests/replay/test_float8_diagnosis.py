@@ -193,6 +193,8 @@ def test_calibrate_moves_a_float8_layer_to_float32_keeping_its_quantization():
 
 def _repaired(strategy=None):
     model = _forward(strategy)
+    if strategy is None:  # (Keras builds it under a strategy)
+        model.optimizer.build(model.trainable_variables)  # before fit: the step traced once
     repair = tfmixprec.PrecisionRepair(verbose=0)
     model.fit(*_overflowing(), batch_size=32, epochs=2, shuffle=False, verbose=0,
               callbacks=[repair])  # fmt: skip
@@ -246,6 +248,7 @@ def test_keras_cannot_take_a_float8_layer_back_to_float16_cleanly(tmp_path):
     float8, but its float8 variables stay on it (Keras removes none), and the model saved
     then does not load with its optimizer (the reloaded layer has no float8 variables)."""
     model = _forward()
+    model.optimizer.build(model.trainable_variables)  # before fit: the step traced once
     model.fit(*_overflowing(64), batch_size=32, epochs=1, shuffle=False, verbose=0)
     layer = model.get_layer("b")
     layer.dtype_policy = "mixed_float16"

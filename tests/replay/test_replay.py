@@ -76,6 +76,7 @@ def test_diagnose_and_precision_repair_in_one_fit_name_the_same_layers():
     monitor = tfmixprec.LossScaleMonitor(diagnose=5)
     repair = tfmixprec.PrecisionRepair(verbose=0)
     x, y = _data(256)
+    model.optimizer.build(model.trainable_variables)  # before fit: the step traced once
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[monitor, repair])
     [judgment] = repair.judgments
     diagnosed = dict((step, (d.cause, (d.layer,))) for step, d in monitor.diagnoses)
