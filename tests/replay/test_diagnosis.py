@@ -215,17 +215,23 @@ def test_sample_weights_with_a_string_loss():
     assert halved.loss == plain.loss / 2
 
 
+@pytest.fixture(scope="module")
+def refusing_model():
+    """One `_model()` for the calls below, each refused before it replays anything."""
+    return _model()
+
+
 @pytest.mark.parametrize("scale", ["big", float("nan"), 0.0, -1.0, float("inf"), True, 1e39, 1e-50])
-def test_bad_scale(scale):
+def test_bad_scale(refusing_model, scale):
     with pytest.raises(ValueError, match=r"scale must be a number in float32's normal range"):
-        tfmixprec.explain_overflow(_model(), _batch(), scale=scale)
+        tfmixprec.explain_overflow(refusing_model, _batch(), scale=scale)
 
 
-def test_bad_loss_fn_labels_and_uncompiled_model():
+def test_bad_loss_fn_labels_and_uncompiled_model(refusing_model):
     with pytest.raises(TypeError, match="loss_fn must be a callable.*Received: loss_fn='mse'"):
-        tfmixprec.explain_overflow(_model(), _batch(), loss_fn="mse")
+        tfmixprec.explain_overflow(refusing_model, _batch(), loss_fn="mse")
     with pytest.raises(ValueError, match="batch must hold labels"):
-        tfmixprec.explain_overflow(_model(), (_batch()[0], None))
+        tfmixprec.explain_overflow(refusing_model, (_batch()[0], None))
     uncompiled = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)], name="bare")
     with pytest.raises(ValueError, match="model 'bare' is not compiled with one"):
         tfmixprec.explain_overflow(uncompiled, _batch())
@@ -422,6 +428,7 @@ def _plain_bad_run_model():
         model = keras.Model(inputs, keras.layers.Dense(1, name="out", dtype="float32")(hidden))
         optimizer = tfmixprec.LossScaleOptimizer("sgd", initial_scale=8.0)
         model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    model.optimizer.build(model.trainable_variables)  # before fit: the step traced once
     return model
 
 

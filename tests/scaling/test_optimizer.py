@@ -244,6 +244,7 @@ def test_skipped_step_is_bit_identical(mode):
         run_eagerly=mode == "eager",
         jit_compile=mode == "jit",
     )
+    opt.build(model.trainable_variables)  # before fit: the step traced once
     x, y = _data()
     model.fit(x, y, batch_size=32, epochs=2, verbose=0)  # slots are non-zero now
     before = _adam_state(opt, model)
@@ -272,6 +273,7 @@ def test_fit_matches_unscaled_reference():
         inner = keras.optimizers.SGD(0.05, momentum=0.9)
         opt = LossScaleOptimizer(inner, initial_scale=2.0**12, growth_interval=3) if wrap else inner
         model.compile(optimizer=opt, loss="mse", auto_scale_loss=False)
+        opt.build(model.trainable_variables)  # before fit: the step traced once
         model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
         results.append([w.numpy() for w in model.weights])
     for a, b in zip(*results):
@@ -475,12 +477,19 @@ def _trained_with_state(tmp_x=None):
         on_min_scale="ignore",
     )
     model.compile(optimizer=opt, loss="mse")
+    opt.build(model.trainable_variables)  # before fit: the step traced once
     x, y = _data(8)
     x_bad = x.copy()
     x_bad[0, 0] = np.inf
     for xs in (x, x, x_bad, x):
         model.fit(xs, y, batch_size=8, epochs=1, verbose=0)
     return model, opt
+
+
+@pytest.fixture(scope="module")
+def trained_with_state():
+    """`_trained_with_state()`, once: the two round trips below read it, neither changes it."""
+    return _trained_with_state()
 
 
 STATE = [
@@ -499,8 +508,8 @@ def _state(opt):
     return values
 
 
-def test_keras_file_round_trip(tmp_path):
-    model, opt = _trained_with_state()
+def test_keras_file_round_trip(tmp_path, trained_with_state):
+    model, opt = trained_with_state
     expected = _state(opt)
     assert expected == {
         "loss_scale": 128.0,
@@ -522,8 +531,8 @@ def test_keras_file_round_trip(tmp_path):
     )
 
 
-def test_tf_checkpoint_round_trip(tmp_path):
-    model, opt = _trained_with_state()
+def test_tf_checkpoint_round_trip(tmp_path, trained_with_state):
+    model, opt = trained_with_state
     expected = _state(opt)
     path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
     fresh = _tiny_model()
