@@ -64,6 +64,7 @@ def test_a_skipped_step_in_fit_changes_no_variable(kind):
     elif kind == "keras.Model with tfmixprec's optimizer":
         model = _model()
         model.compile(optimizer=tfmixprec.LossScaleOptimizer("sgd", initial_scale=1.0), loss="mse")
+        model.optimizer.build(model.trainable_variables)  # before fit: the step traced once
         callbacks = [tfmixprec.OverflowGuard()]
     else:
         model = _model()
@@ -88,6 +89,7 @@ def test_keras_own_optimizer_writes_nan_statistics_on_the_skipped_step():
     model.compile(
         optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), 1.0), loss="mse"
     )
+    model.optimizer.build(model.trainable_variables)  # before fit: the step traced once
     model.fit(*_data(), batch_size=BATCH, shuffle=False, verbose=0)
     assert not np.isfinite(model.get_layer("bn").moving_variance.numpy()).all()
     assert not np.isfinite(model.predict(_data(bad=())[0], verbose=0)).all()
@@ -274,6 +276,7 @@ def test_with_accumulation_an_epoch_of_one_skipped_window_logs_its_counted_micro
         "sgd", initial_scale=1.0, dynamic=False, accumulation_steps=4
     )
     model.compile(optimizer=opt, loss="mse")
+    model.optimizer.build(model.trainable_variables)  # before fit: the step traced once
     x, y = _data(bad=(3,))
     history = model.fit(
         x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[tfmixprec.OverflowGuard()]
