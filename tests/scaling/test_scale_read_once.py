@@ -353,6 +353,15 @@ def test_an_unbuilt_optimizer_built_by_its_first_traced_apply(unbuilt_eagerly, j
     assert _unbuilt_run(traced=True, jit_compile=jit_compile) == unbuilt_eagerly
 
 
+def _two_threads_held():
+    """Two threads started that wait for the event returned with them."""
+    release = threading.Event()
+    threads = [threading.Thread(target=release.wait) for _ in range(2)]
+    for t in threads:
+        t.start()
+    return release, threads
+
+
 def test_under_two_replicas_a_thread_id_reused_takes_no_stale_scale(
     two_cpu_strategy, eagerly_under_two_replicas
 ):
@@ -368,13 +377,6 @@ def test_under_two_replicas_a_thread_id_reused_takes_no_stale_scale(
         opt, var = _optimizer()
     held = []
 
-    def occupy():
-        release = threading.Event()
-        threads = [threading.Thread(target=release.wait) for _ in range(2)]
-        for t in threads:
-            t.start()
-        held.append((release, threads))
-
     def one(f):
         def fn():
             if held:
@@ -389,7 +391,7 @@ def test_under_two_replicas_a_thread_id_reused_takes_no_stale_scale(
     def steps():
         for f in FACTORS:
             two_cpu_strategy.run(one(f))
-            occupy()
+            held.append(_two_threads_held())
 
     tf.function(steps)()
     for release, _ in held:
