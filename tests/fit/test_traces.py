@@ -185,3 +185,41 @@ def test_make_train_steps_step_is_traced_once(jit_compile):
     for start in (0, 32):
         step(cases.X[start : start + 32], cases.Y[start : start + 32])
     assert len(calls) - before == 1
+
+
+def _with_metrics(jit_compile):
+    keras.utils.set_random_seed(0)
+    with tfmixprec.policy_scope("mixed_float16"):
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(8)(inputs)
+        model = tfmixprec.MixedPrecisionModel(
+            inputs, keras.layers.Dense(1, dtype="float32")(hidden)
+        )
+    metrics = ["mae", keras.metrics.MeanSquaredError()]
+    model.compile("adam", "mse", metrics=metrics, jit_compile=jit_compile)
+    return model
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_mixed_precision_models_metrics_are_built_before_its_first_trace(jit_compile):
+    """With `compile(metrics=...)`, Keras makes the metrics' variables in the step's first
+    trace on one device (under a strategy it builds them from the first batch first), and
+    TensorFlow traces the step again. `MixedPrecisionModel.fit` builds them from the data's
+    spec (`_keras.fit.BuiltBeforeTrace`): one trace, and the same logs and weights, bit for
+    bit, as where the trace makes them (Keras's own `_maybe_symbolic_build`)."""
+    ours, theirs = _with_metrics(jit_compile), _with_metrics(jit_compile)
+    theirs._maybe_symbolic_build = functools.partial(keras.Model._maybe_symbolic_build, theirs)
+    traces, logs = [], []
+    for model in (ours, theirs):
+        calls, step = [], model.train_step
+        model.train_step = lambda data, step=step, calls=calls: calls.append(1) or step(data)
+        history = model.fit(
+            cases.X, cases.Y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+            validation_data=(cases.X[:32], cases.Y[:32]),
+        )  # fmt: skip
+        traces.append(len(calls))
+        logs.append(history.history)
+    assert traces == [1, 2]
+    assert logs[0] == logs[1] and "val_mean_squared_error" in logs[0]
+    for a, b in zip(ours.weights, theirs.weights):
+        assert a.numpy().tobytes() == b.numpy().tobytes()

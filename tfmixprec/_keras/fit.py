@@ -135,6 +135,31 @@ def epochs_closed(model: Any) -> Iterator[None]:
                 generator.close()
 
 
+class BuiltBeforeTrace:
+    """Builds a built model's compiled metrics and loss before `fit` (or `evaluate`) traces
+    its step, on one device too, as Keras does under a distribution strategy. Put it before
+    `keras.Model` in a model class's bases.
+
+    Why: Keras's TF trainer builds them from the first batch (`_maybe_symbolic_build` ->
+    `_symbolic_build`) only where the model has a strategy (`_distribute_strategy`); with
+    none, they are made in the step's first trace, and TensorFlow, seeing variables made,
+    traces the step again. This builds them from the data's spec (the epoch iterator's
+    dataset, `_distributed_dataset`: no batch is read). Only where the model's layers are
+    built and a metric or the loss is not (`_compile_metrics`, `_compile_loss`): an unbuilt
+    model is left to the trace, as Keras leaves it on one device.
+    """
+
+    def _maybe_symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
+        if iterator is not None and data_batch is None and self._distribute_strategy is None:
+            built = all(layer.built for layer in self._flatten_layers())
+            compiled = (self._compile_metrics, self._compile_loss)
+            if built and any(part is not None and not part.built for part in compiled):
+                spec = iterator._distributed_dataset.element_spec  # a batch's shapes, unread
+                self._symbolic_build(data_batch=spec)
+                return None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+
 class MultiWorkerFit:
     """Makes Keras's own `fit`, `evaluate` and `predict` run under `MultiWorkerMirroredStrategy`
     across workers: keras-team/keras#20585, tensorflow/tensorflow#72388 (open; Keras 3.12 to

@@ -87,6 +87,12 @@ INTERNALS = (
         "fit", "Model._maybe_symbolic_build", "MultiWorkerFit: builds from one batch; epochs_closed"
     ),
     Internal("fit", "EpochIterator._epoch_iterator", "epochs_closed: the epoch's generator"),
+    Internal("fit", "EpochIterator._distributed_dataset", "BuiltBeforeTrace: the data's spec"),
+    Internal("fit", "Model._distribute_strategy", "BuiltBeforeTrace: Keras builds under one"),
+    Internal("fit", "Model._compile_metrics", "BuiltBeforeTrace: whether a metric is unbuilt"),
+    Internal("fit", "Model._compile_loss", "BuiltBeforeTrace: whether the loss is unbuilt"),
+    Internal("fit", "Model._symbolic_build", "BuiltBeforeTrace: Keras's build from a batch"),
+    Internal("fit", "Model._flatten_layers", "BuiltBeforeTrace: whether every layer is built"),
     Internal("fit", "Model._make_function", "MultiWorkerFit: the step's scalar logs as vectors"),
     Internal("fit", "tf.function._list_all_concrete_functions", "the traced train functions"),
     Internal("fit", "Model.train_function", "traced_train_functions: Keras's Python function"),

@@ -20,7 +20,7 @@ from keras import ops
 
 from tfmixprec._common.layers import iter_layers
 from tfmixprec._common.text import docs_page
-from tfmixprec._keras.fit import MultiWorkerFit, epochs_closed
+from tfmixprec._keras.fit import BuiltBeforeTrace, MultiWorkerFit, epochs_closed
 from tfmixprec._keras.graph import Functional, functional_init_arguments
 from tfmixprec._keras.losses import as_compiled
 from tfmixprec.fit.hooks import FitWatch, ProgressBar
@@ -188,7 +188,7 @@ def _with_fit_watch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, {**kwargs, "callbacks": callbacks}
 
 
-class MixedPrecisionMixin(MultiWorkerFit):
+class MixedPrecisionMixin(BuiltBeforeTrace, MultiWorkerFit):
     """Gives a Keras model class tfmixprec's mixed-precision `train_step` and `compile`.
 
     Put it before `keras.Model` in the bases: `class MyModel(MixedPrecisionMixin, keras.Model)`.
