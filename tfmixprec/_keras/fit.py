@@ -145,19 +145,30 @@ class BuiltBeforeTrace:
     none, they are made in the step's first trace, and TensorFlow, seeing variables made,
     traces the step again. This builds them from the data's spec (the epoch iterator's
     dataset, `_distributed_dataset`: no batch is read). Only where the model's layers are
-    built and a metric or the loss is not (`_compile_metrics`, `_compile_loss`): an unbuilt
-    model is left to the trace, as Keras leaves it on one device.
+    built and its first trace would make variables (`_compile_metrics`, `_compile_loss`):
+    an unbuilt model is left to the trace, as Keras leaves it on one device.
     """
 
     def _maybe_symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
         if iterator is not None and data_batch is None and self._distribute_strategy is None:
-            built = all(layer.built for layer in self._flatten_layers())
-            compiled = (self._compile_metrics, self._compile_loss)
-            if built and any(part is not None and not part.built for part in compiled):
+            if _makes_variables_in_trace(self):
                 spec = iterator._distributed_dataset.element_spec  # a batch's shapes, unread
                 self._symbolic_build(data_batch=spec)
                 return None
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+
+def _makes_variables_in_trace(model: Any) -> bool:
+    """Whether `model` is built and its step's first trace would make variables: compiled
+    metrics not built yet, or the loss of a model of several outputs (a `Mean` a loss).
+    Otherwise nothing is built first (that takes a symbolic pass of the model)."""
+    if not all(layer.built for layer in model._flatten_layers()):
+        return False
+    metrics, loss = model._compile_metrics, model._compile_loss
+    if metrics is not None and not metrics.built:
+        return True
+    outputs = getattr(model, "outputs", None) or ()
+    return loss is not None and not loss.built and len(outputs) > 1
 
 
 class MultiWorkerFit:
