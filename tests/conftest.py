@@ -73,19 +73,22 @@ def tensorboard_server():
 # about a minute apart). The longest run first and the short files fill in at the end. Only
 # the order changes.
 LONGEST_FIRST = (
-    "tests/tools/test_benchmarks.py",
-    "tests/tools/test_benchmarks_zoo.py",
-    "tests/test_examples.py",
     "tests/fit/test_training.py",
     "tests/test_docs.py",
-    "tests/tools/test_cli.py",
+    "tests/tools/test_benchmarks.py",
+    "tests/tools/test_benchmarks_zoo.py",
+    "tests/fit/test_traces.py",
     "tests/fit/test_repair.py",
-    "tests/fit/test_tensorboard.py",
-    "tests/precision/test_float8.py",
-    "tests/fit/test_multi_worker.py",
     "tests/tools/test_zoo_encoders.py",
+    "tests/tools/test_cli.py",
+    "tests/fit/test_multi_worker.py",
+    "tests/test_examples.py",
     "tests/tools/test_zoo_decoders.py",
-    "tests/scaling/test_state_file.py",
+    "tests/checks/test_audit.py",
+    "tests/scaling/test_scale_read_once.py",
+    "tests/precision/test_float8.py",
+    "tests/fit/test_overflow_batches.py",
+    "tests/replay/test_diagnosis.py",
 )
 
 
