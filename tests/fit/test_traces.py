@@ -10,6 +10,7 @@ from pathlib import Path
 
 import keras
 import pytest
+import tensorflow as tf
 
 import tfmixprec  # noqa: F401 (the cases build with it)
 from tfmixprec._keras.fit import traced_train_functions
@@ -223,3 +224,50 @@ def test_a_mixed_precision_models_metrics_are_built_before_its_first_trace(jit_c
     assert logs[0] == logs[1] and "val_mean_squared_error" in logs[0]
     for a, b in zip(ours.weights, theirs.weights):
         assert a.numpy().tobytes() == b.numpy().tobytes()
+
+
+class _EagerOnly(keras.layers.Layer):
+    """A layer that reads a value on the host: it runs only in an eager step."""
+
+    def call(self, x):
+        return x * float(tf.reduce_max(tf.abs(x)) >= 0.0)
+
+    def compute_output_spec(self, x):
+        return keras.KerasTensor(x.shape, x.dtype)
+
+
+def _batches(with_none):
+    for start in range(0, 64, 16):
+        x, y = cases.X[start : start + 16], cases.Y[start : start + 16]
+        yield (x, y, None) if with_none else (x, y)
+
+
+def _eager_only():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    outputs = _EagerOnly()(keras.layers.Dense(1, dtype="float32")(inputs))
+    model = tfmixprec.MixedPrecisionModel(inputs, outputs)
+    model.compile("adam", "mse", metrics=["mae"], run_eagerly=True)
+    return model
+
+
+@pytest.mark.parametrize("case", ["a None in the batch", "run_eagerly", "evaluate first"])
+def test_where_metrics_cannot_be_built_first_the_trace_builds_them(case):
+    """`BuiltBeforeTrace` builds nothing where a symbolic pass could differ from the trace or
+    fail: batches with a `None` (an `OptionalSpec`), a step run eagerly (a layer that reads a
+    value on the host), an `evaluate` before any `fit` (which would build the optimizer).
+    Each runs as on Keras's own path, to the same logs."""
+    build = _eager_only if case == "run_eagerly" else functools.partial(_with_metrics, False)
+    models = [build(), build()]
+    models[1]._maybe_symbolic_build = functools.partial(
+        keras.Model._maybe_symbolic_build, models[1]
+    )
+    logs = []
+    for model in models:
+        if case == "evaluate first":
+            logs.append(model.evaluate(cases.X, cases.Y, verbose=0, return_dict=True))
+            assert not model.optimizer.built
+        else:
+            batches = _batches(case == "a None in the batch")
+            logs.append(model.fit(batches, verbose=0).history)
+    assert logs[0] == logs[1] and "mae" in str(logs[0])

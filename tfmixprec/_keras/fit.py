@@ -136,33 +136,53 @@ def epochs_closed(model: Any) -> Iterator[None]:
 
 
 class BuiltBeforeTrace:
-    """Builds a built model's compiled metrics and loss before `fit` (or `evaluate`) traces
-    its step, on one device too, as Keras does under a distribution strategy. Put it before
-    `keras.Model` in a model class's bases.
+    """Builds a built model's compiled metrics and loss before `fit` traces its step, on one
+    device too, as Keras does under a distribution strategy. Put it before `keras.Model` in a
+    model class's bases; the class marks its `train_step` with `STANDARD_STEP`.
 
     Why: Keras's TF trainer builds them from the first batch (`_maybe_symbolic_build` ->
     `_symbolic_build`) only where the model has a strategy (`_distribute_strategy`); with
     none, they are made in the step's first trace, and TensorFlow, seeing variables made,
     traces the step again. This builds them from the data's spec (the epoch iterator's
-    dataset, `_distributed_dataset`: no batch is read). Only where the model's layers are
-    built and its first trace would make variables (`_compile_metrics`, `_compile_loss`):
-    an unbuilt model is left to the trace, as Keras leaves it on one device.
+    dataset, `_distributed_dataset`: no batch is read), where nothing can differ from the
+    trace's build (`_can_build_first`); anywhere else, and where the build raises, they are
+    left to the trace, as Keras leaves them on one device.
     """
 
     def _maybe_symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> Any:
         if iterator is not None and data_batch is None and self._distribute_strategy is None:
-            if _makes_variables_in_trace(self):
-                spec = iterator._distributed_dataset.element_spec  # a batch's shapes, unread
-                self._symbolic_build(data_batch=spec)
+            spec = iterator._distributed_dataset.element_spec  # a batch's shapes, unread
+            if _can_build_first(self, spec):
+                try:
+                    self._symbolic_build(data_batch=spec)
+                except Exception:  # noqa: BLE001 (the trace builds them, and says what fails)
+                    pass
                 return None
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
 
-def _makes_variables_in_trace(model: Any) -> bool:
-    """Whether `model` is built and its step's first trace would make variables: compiled
-    metrics not built yet, or the loss of a model of several outputs (a `Mean` a loss).
-    Otherwise nothing is built first (that takes a symbolic pass of the model)."""
-    if not all(layer.built for layer in model._flatten_layers()):
+# On a model class's `train_step`: Keras's step (unpacks the batch, calls the model, then
+# the compiled loss and metrics), so that a symbolic pass builds what its trace would.
+STANDARD_STEP = "tfmixprec_standard_step"
+
+
+def _can_build_first(model: Any, spec: Any) -> bool:
+    """Whether `model`'s first trace would make variables (compiled metrics not built yet,
+    or the loss of a model of several outputs: a `Mean` a loss) that a symbolic pass of
+    `spec` makes the same: the model and its optimizer built (`fit` builds the optimizer
+    first; an `evaluate` before any `fit` leaves it unbuilt), a graph step (not
+    `run_eagerly`), the class's step Keras's own, and batches of dense tensors of known rank
+    in at most `(x, y, sample_weight)` (no `None`, ragged or sparse value)."""
+    optimizer = getattr(model, "optimizer", None)
+    if model.run_eagerly or (optimizer is not None and not optimizer.built):
+        return False
+    if not getattr(type(model).train_step, STANDARD_STEP, False):
+        return False
+    leaves = tf.nest.flatten(spec)
+    if isinstance(spec, (tuple, list)) and len(spec) > 3:
+        return False
+    dense = all(type(v) is tf.TensorSpec and v.shape.rank is not None for v in leaves)
+    if not dense or not all(layer.built for layer in model._flatten_layers()):
         return False
     metrics, loss = model._compile_metrics, model._compile_loss
     if metrics is not None and not metrics.built:

@@ -20,7 +20,7 @@ from keras import ops
 
 from tfmixprec._common.layers import iter_layers
 from tfmixprec._common.text import docs_page
-from tfmixprec._keras.fit import BuiltBeforeTrace, MultiWorkerFit, epochs_closed
+from tfmixprec._keras.fit import STANDARD_STEP, BuiltBeforeTrace, MultiWorkerFit, epochs_closed
 from tfmixprec._keras.graph import Functional, functional_init_arguments
 from tfmixprec._keras.losses import as_compiled
 from tfmixprec.fit.hooks import FitWatch, ProgressBar
@@ -260,6 +260,7 @@ class MixedPrecisionMixin(BuiltBeforeTrace, MultiWorkerFit):
         return logs
 
     train_step.tfmixprec_guarded = True  # the callbacks wrap no further guard around it
+    setattr(train_step, STANDARD_STEP, True)  # Keras's step: built before its trace
 
     def get_metrics_result(self) -> dict[str, Any]:
         """Keras's `get_metrics_result`; inside this model's own `train_step` nothing, where
