@@ -464,7 +464,10 @@ def current_keeper(model: Any) -> OverflowBatches | None:
 def set_keeper(model: Any, keeper: OverflowBatches | None) -> OverflowBatches | None:
     """From the next traced step on, `model`'s step (any Keras model, compiled with a
     tfmixprec `LossScaleOptimizer`) keeps the batches of its overflow steps in `keeper`; None
-    stops keeping. Either way the train function is traced again."""
+    stops keeping. Either way the train function is traced again, after the keeper's slots
+    are made (`make_slots_now`: not in the trace, which would trace the step twice)."""
+    if keeper is not None:
+        keeper.make_slots_now(model)
     model._tfmixprec_overflow_batches = keeper
     replace_train_step(model, None if keeper is None else _keeping(model, keeper))
     make_train_function(model)
@@ -534,7 +537,6 @@ def keep_for_callbacks(
     if current is not None and reason is None:  # traced without the newest batch: again
         current.forget()
         current.keeps_latest = True
-        current.make_slots_now(model)
         return set_keeper(model, current)
     if reason is not None:
         if current_keeper(model) is not None:  # an earlier fit's: it keeps no more
@@ -544,7 +546,6 @@ def keep_for_callbacks(
         return None
     keeper = OverflowBatches(limit, "callbacks", latest)
     keeper.fit = fit
-    keeper.make_slots_now(model)
     return set_keeper(model, keeper)
 
 

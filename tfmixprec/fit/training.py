@@ -299,10 +299,7 @@ class MixedPrecisionMixin(BuiltBeforeTrace, MultiWorkerFit):
         reason = cannot_keep_batches(self) if limit else None
         if reason is not None:
             raise ValueError(reason)
-        keeper = OverflowBatches(limit, "user") if limit else None
-        if keeper is not None:
-            keeper.make_slots_now(self)  # not in the step's first trace: traced once
-        return set_keeper(self, keeper)
+        return set_keeper(self, OverflowBatches(limit, "user") if limit else None)
 
 
 @keras.saving.register_keras_serializable(package="tfmixprec")
