@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfmixprec
+from tfmixprec.precision.cpu_route import route_of
 from tfmixprec.tools.testing import step_ops
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_ops.py"
@@ -47,11 +48,13 @@ CASES = [
     ("adopted", "every"),
 ]
 _COUNTED: dict = {}
+_MODELS: dict = {}
 
 
 def _counted(case):
     if case not in _COUNTED:
-        _COUNTED[case] = step_ops(cases.fit_model(*case))
+        _MODELS[case] = cases.fit_model(*case)
+        _COUNTED[case] = step_ops(_MODELS[case])
     return _COUNTED[case]
 
 
@@ -72,6 +75,17 @@ def test_the_step_costs_no_more_than_its_limit_of_kerass_ops(keras_step, case):
     found = _counted(case)
     assert found["If"] <= keras_step["If"]  # apply or skip; the keeper's one branch on shapes
     _check(found, keras_step, case, _budget(case[1]))
+
+
+def test_the_counted_steps_take_no_cpu_route_and_leave_the_switch_as_it_was():
+    """On a CPU without AVX512_FP16 a callback would route the float16 `Dense` through a
+    float32 product (5 ops a GPU's step never has): the counts must not depend on the CPU."""
+    before = tfmixprec.cpu_float16.status()
+    case = ("MixedPrecisionModel", "every")
+    _counted(case)
+    routed = [layer.name for layer in _MODELS[case].layers if route_of(layer) is not None]
+    assert routed == []
+    assert tfmixprec.cpu_float16.status() == before
 
 
 def test_step_ops_counts_every_function_the_step_calls():
