@@ -328,3 +328,27 @@ def test_the_tab_imports_no_tfmixprec_and_tfmixprec_reads_its_names():
     assert [e.value for e in entry if e.name == "tfmixprec"] == [
         "_tfmixprec_board.plugin:MixedPrecisionPlugin"
     ]
+
+
+def test_every_folder_that_ships_is_a_listed_package():
+    """setuptools ships the folders of `packages` only; a folder with files and no
+    `__init__.py` (the demo's digits, the tab's static files) is still a package to it, and one
+    left out of the list is shipped with a warning that it "would be ignored"."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent  # the repository, with its pyproject.toml
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {
+        ".".join(folder.relative_to(root).parts)
+        for top in (root / "tfmixprec", root / "_tfmixprec_board")
+        for folder in [top, *top.rglob("*")]
+        if folder.is_dir()
+        and folder.name != "__pycache__"
+        and any(entry.is_file() for entry in folder.iterdir())
+    }
+    assert sorted(folders) == sorted(config["packages"])
+    data = {
+        name for name in folders if not (root.joinpath(*name.split("."), "__init__.py")).exists()
+    }
+    assert data == {"tfmixprec.tools.data", "_tfmixprec_board.static"}
+    assert data <= set(config["package-data"])

@@ -51,7 +51,7 @@ def test_the_digits_file_is_scikit_learns_and_needs_no_scikit_learn():
         "tensorboard",
     ]
     shipped = (ROOT / "pyproject.toml").read_text().split("[tool.setuptools.package-data]")[1]
-    assert '"tfmixprec.tools" = ["data/digits.csv.gz", "data/README.md"]' in shipped
+    assert '"tfmixprec.tools.data" = ["digits.csv.gz", "README.md"]' in shipped
 
 
 def test_load_digits_seed_and_fraction():
