@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from live_tensorboard import get_json
+from live_tensorboard import get_json, start_tensorboard, stop
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
@@ -421,9 +421,23 @@ def test_config_holds_parsed_values(kwargs, held):
     assert tfmixprec.TensorBoard.from_config(config).get_config() == config
 
 
-def test_live_tensorboard_http_api(tmp_path, tensorboard_server):
-    _fit(tmp_path / "run", update_freq=1)
-    port = tensorboard_server(tmp_path)
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    """One real `tensorboard` server over one run, `_fit` with `update_freq=1` (two overflow
+    steps, no gradient monitor), read by the tests below that only read: its port and the
+    model. (The float8 run has a server of its own: TensorBoard merges the custom-scalar
+    layouts of all its runs, and the dashboard test checks the layout whole.)"""
+    logs = tmp_path_factory.mktemp("live")
+    model, _ = _fit(logs / "run", update_freq=1)
+    servers = []
+    try:
+        yield start_tensorboard(logs, servers), model
+    finally:
+        stop(servers)
+
+
+def test_live_tensorboard_http_api(live_run):
+    port, _ = live_run
     tags = get_json(port, "/data/plugin/scalars/tags")
     run = "run/train"
     assert {
@@ -466,9 +480,8 @@ def _frontend_tag_filter(chart):
     return "|".join(f"({re.escape(tag)})" for tag in tags)
 
 
-def test_live_dashboard_charts_are_exact_labelled_and_not_empty(tmp_path, tensorboard_server):
-    model, _ = _fit(tmp_path / "run", update_freq=1)  # no gradient monitor
-    port = tensorboard_server(tmp_path)
+def test_live_dashboard_charts_are_exact_labelled_and_not_empty(live_run):
+    port, model = live_run  # no gradient monitor
     run = "run/train"
     layout = get_json(port, "/data/plugin/custom_scalars/layout")
     layers = [row.layer for row in tfmixprec.overflow_report(model).layers]
