@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -186,6 +187,60 @@ def test_make_train_steps_step_is_traced_once(jit_compile):
     for start in (0, 32):
         step(cases.X[start : start + 32], cases.Y[start : start + 32])
     assert len(calls) - before == 1
+
+
+class _TrainingOnly(keras.Model):
+    """A subclassed model whose `extra` layer runs in training only: a call in inference
+    builds the model and leaves `extra` unbuilt, to make its variables in the step."""
+
+    def __init__(self, cls_name):
+        super().__init__(name=cls_name)
+        self.body, self.extra, self.head = (keras.layers.Dense(n) for n in (4, 4, 1))
+
+    def call(self, x, training=False):
+        x = self.body(x)
+        return self.head(self.extra(x) if training else x)
+
+
+class _MixedTrainingOnly(_TrainingOnly, tfmixprec.MixedPrecisionModel):
+    pass
+
+
+@pytest.mark.parametrize("how", ["LossScaleMonitor", "MixedPrecisionModel", "make_train_step"])
+def test_a_layer_built_in_the_step_is_left_to_the_trace(how):
+    """The optimizer is built before the first trace only where every layer is built: else
+    the layer that the step builds would hold variables the optimizer does not know (Keras's
+    own `fit` builds the optimizer in the trace, and trains it)."""
+    x, y = cases.X[:32], cases.Y[:32]
+    keras.utils.set_random_seed(0)
+    reference = _TrainingOnly("keras")
+    reference(x[:2])
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    reference.fit(x, y, batch_size=32, verbose=0)
+    keras.utils.set_random_seed(0)
+    model = (_MixedTrainingOnly if how == "MixedPrecisionModel" else _TrainingOnly)(how)
+    model(x[:2])
+    assert model.built and not model.extra.built
+    optimizer = tfmixprec.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    if how == "make_train_step":
+        step = tfmixprec.make_train_step(model, "mse", optimizer)
+        assert not step.optimizer.built
+        step(x, y)
+    else:
+        model.compile(optimizer, "mse")
+        callbacks = [tfmixprec.LossScaleMonitor()] if how == "LossScaleMonitor" else []
+        model.fit(x, y, batch_size=32, verbose=0, callbacks=callbacks)
+    assert int(optimizer.iterations) == 1 and float(optimizer.overflow_steps) == 0
+    # One SGD step on every layer, `extra` included, as Keras's own fit takes it: bit for bit
+    # in `fit` (float32: the loss scale, a power of two, changes no bit); `make_train_step`
+    # computes the loss in its own ops, within float32 rounding of one step.
+    assert len(model.weights) == len(reference.weights) == 6
+    for mine, theirs in zip(model.weights, reference.weights):
+        mine, theirs = keras.ops.convert_to_numpy(mine), theirs.numpy()
+        if how == "make_train_step":
+            np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-7)
+        else:
+            assert mine.tobytes() == theirs.tobytes()
 
 
 def _with_metrics(jit_compile):

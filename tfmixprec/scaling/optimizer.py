@@ -15,6 +15,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfmixprec._common.layers import all_layers
 from tfmixprec._common.text import docs_page
 from tfmixprec._common.validate import check_int_at_least_one
 from tfmixprec._keras.optimizer_hooks import (
@@ -676,9 +677,15 @@ def build_before_fit(model: Any, optimizer: Any = None) -> None:
     before a step that trains `model` is traced, where the model is built and no strategy is
     in use (Keras makes them itself under one): else Keras makes them in the step's first
     trace, and TensorFlow, seeing variables made, traces the step again
-    (`MixedPrecisionModel.fit`, the callbacks' `on_train_begin` and `make_train_step`)."""
+    (`MixedPrecisionModel.fit`, the callbacks' `on_train_begin` and `make_train_step`).
+
+    A model built with a layer still unbuilt (a subclassed model called once in inference,
+    whose layer runs in training only) is left to Keras: that layer makes its variables in
+    the trace, and an optimizer built without them would not know them."""
     optimizer = model.optimizer if optimizer is None else optimizer
     if optimizer.built or not model.built or tf.distribute.has_strategy():
+        return
+    if not all(layer.built for layer in all_layers(model)):
         return
     if model.distribute_strategy is tf.distribute.get_strategy():  # the model's: none
         optimizer.build(model.trainable_variables)
