@@ -25,6 +25,7 @@ from tensorflow.python.ops.control_flow_util import (
     GraphOrParentsInXlaContext as _xla_context,
 )
 
+from tfmixprec._keras.graph import every_layer_built
 from tfmixprec._keras.patches import patch, undo_all
 
 __all__: list[str] = []  # private module: nothing here is part of the package's API
@@ -182,7 +183,7 @@ def _can_build_first(model: Any, spec: Any) -> bool:
     if isinstance(spec, (tuple, list)) and len(spec) > 3:
         return False
     dense = all(type(v) is tf.TensorSpec and v.shape.rank is not None for v in leaves)
-    if not dense or not all(layer.built for layer in model._flatten_layers()):
+    if not dense or not every_layer_built(model):
         return False
     metrics, loss = model._compile_metrics, model._compile_loss
     if metrics is not None and not metrics.built:

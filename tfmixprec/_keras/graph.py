@@ -24,6 +24,13 @@ def all_sublayers(model: Any) -> list[Any]:
     return list(model._flatten_layers(include_self=False, recursive=True))
 
 
+def every_layer_built(model: Any) -> bool:
+    """Whether `model` and every layer inside it (`all_sublayers`) is built: a subclassed
+    model called once in inference leaves a layer it runs in training only unbuilt, to make
+    its variables in the train step's trace."""
+    return model.built and all(layer.built for layer in all_sublayers(model))
+
+
 def producing_layer(tensor: Any) -> Any:
     """The layer (Keras operation) that produced a symbolic tensor of a functional model, or None.
 

@@ -92,7 +92,6 @@ INTERNALS = (
     Internal("fit", "Model._compile_metrics", "BuiltBeforeTrace: whether a metric is unbuilt"),
     Internal("fit", "Model._compile_loss", "BuiltBeforeTrace: whether the loss is unbuilt"),
     Internal("fit", "Model._symbolic_build", "BuiltBeforeTrace: Keras's build from a batch"),
-    Internal("fit", "Model._flatten_layers", "BuiltBeforeTrace: whether every layer is built"),
     Internal("fit", "Model._make_function", "MultiWorkerFit: the step's scalar logs as vectors"),
     Internal("fit", "tf.function._list_all_concrete_functions", "the traced train functions"),
     Internal("fit", "Model.train_function", "traced_train_functions: Keras's Python function"),

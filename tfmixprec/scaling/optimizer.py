@@ -15,9 +15,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfmixprec._common.layers import all_layers
 from tfmixprec._common.text import docs_page
 from tfmixprec._common.validate import check_int_at_least_one
+from tfmixprec._keras.graph import every_layer_built
 from tfmixprec._keras.optimizer_hooks import (
     KerasLossScaleHooks,
     built_variables,
@@ -685,7 +685,7 @@ def build_before_fit(model: Any, optimizer: Any = None) -> None:
     optimizer = model.optimizer if optimizer is None else optimizer
     if optimizer.built or not model.built or tf.distribute.has_strategy():
         return
-    if not all(layer.built for layer in all_layers(model)):
+    if not every_layer_built(model):
         return
     if model.distribute_strategy is tf.distribute.get_strategy():  # the model's: none
         optimizer.build(model.trainable_variables)
