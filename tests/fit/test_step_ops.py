@@ -47,15 +47,18 @@ CASES = [
     ("adopted", "monitor"),
     ("adopted", "every"),
 ]
-_COUNTED: dict = {}
-_MODELS: dict = {}
+_FITTED: dict = {}  # case -> (the fitted model, its step's ops)
+
+
+def _fitted(case):
+    if case not in _FITTED:
+        model = cases.fit_model(*case)
+        _FITTED[case] = model, step_ops(model)
+    return _FITTED[case]
 
 
 def _counted(case):
-    if case not in _COUNTED:
-        _MODELS[case] = cases.fit_model(*case)
-        _COUNTED[case] = step_ops(_MODELS[case])
-    return _COUNTED[case]
+    return _fitted(case)[1]
 
 
 def _budget(callbacks):
@@ -81,9 +84,8 @@ def test_the_counted_steps_take_no_cpu_route_and_leave_the_switch_as_it_was():
     """On a CPU without AVX512_FP16 a callback would route the float16 `Dense` through a
     float32 product (5 ops a GPU's step never has): the counts must not depend on the CPU."""
     before = tfmixprec.cpu_float16.status()
-    case = ("MixedPrecisionModel", "every")
-    _counted(case)
-    routed = [layer.name for layer in _MODELS[case].layers if route_of(layer) is not None]
+    model, _ = _fitted(("MixedPrecisionModel", "every"))
+    routed = [layer.name for layer in model.layers if route_of(layer) is not None]
     assert routed == []
     assert tfmixprec.cpu_float16.status() == before
 
